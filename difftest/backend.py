@@ -95,7 +95,7 @@ class RunInputs:
     @cached_property
     def data(self) -> CaseData:
         """Stored tensors, generated on the run device."""
-        return generate(self.case, self.device)
+        return generate(self.case, self.rows, self.device)
 
     @cached_property
     def rows(self) -> tuple[SparseRow, ...]:

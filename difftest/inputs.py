@@ -1,6 +1,6 @@
 """Tensor data of a case, generated from the case's seed (bit-identical on every device).
 
-Only physical blocks that some request owns get data; each token's K and V are drawn once and
+Only physical blocks that some query row attends get data; each token's K and V are drawn once and
 stored in the KV dtype. fp8 values are stored as ``cast(real / scale)`` with saturation at the
 format's maximum, so small scales push stored values to the fp8 maximum and large scales to
 its subnormals. The real value a kernel must see is ``stored * scale``.
@@ -15,6 +15,7 @@ import torch
 from difftest import counter_rng
 from difftest.case import Case, cdiv
 from difftest.dtypes import finite_max, torch_dtype
+from difftest.sparse_table import SparseRow
 
 _QUERY, _KEY, _VALUE = 1, 2, 3
 
@@ -23,9 +24,9 @@ _QUERY, _KEY, _VALUE = 1, 2, 3
 class CaseData:
     """Stored (quantised) tensors of a case, on the device they were generated on.
 
-    ``k_stored``/``v_stored`` are ``[num_owned, block_size, num_kv_heads, head_dim]`` in the KV
-    dtype, one entry per owned physical block, in ascending physical id order; ``slot_of``
-    maps a physical block id to its entry.
+    ``k_stored``/``v_stored`` are ``[num_attended, block_size, num_kv_heads, head_dim]`` in the
+    KV dtype, one entry per attended physical block, in ascending physical id order;
+    ``slot_of`` maps a physical block id to its entry.
     ``valid_tokens[i]`` is how many leading tokens of that block its request wrote.
     """
 
@@ -37,14 +38,17 @@ class CaseData:
     slot_of: dict[int, int]
 
 
-def _draw(seed: int, stream: int, index: torch.Tensor, distribution: str) -> torch.Tensor:
+def _draw(seed: int, stream: int, rows: torch.Tensor, row_length: int,
+          distribution: str) -> torch.Tensor:
+    """Values of ``rows`` of a flat index space, ``[len(rows), row_length]``."""
+    if distribution == "normal":
+        return counter_rng.normal_rows(seed, stream, rows, row_length)
+    index = rows.view(-1, 1) * row_length + torch.arange(row_length, device=rows.device)
     if distribution == "uniform":
         return counter_rng.uniform(seed, stream, index) * 2 - 1
-    values = counter_rng.normal(seed, stream, index)
-    if distribution == "outliers":
-        spikes = counter_rng.uniform(seed, 100 + stream, index) < 1 / 64
-        values = torch.where(spikes, values * 8, values)
-    return values
+    values = counter_rng.normal_rows(seed, stream, rows, row_length)
+    spikes = counter_rng.uniform(seed, 100 + stream, index) < 1 / 64
+    return torch.where(spikes, values * 8, values)
 
 
 def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
@@ -56,30 +60,33 @@ def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
     return real.to(dtype)
 
 
-def generate(case: Case, device: str | torch.device = "cpu") -> CaseData:
-    """Generate every tensor of ``case`` from ``case.seed``, bit-identically on any device."""
-    q_index = torch.arange(case.total_q * case.num_q_heads * case.head_dim, device=device)
-    q_real = _draw(case.seed, _QUERY, q_index, case.distribution)
-    query = q_real.view(case.total_q, case.num_q_heads, case.head_dim)
-    owned: dict[int, int] = {}
+def generate(case: Case, rows: tuple[SparseRow, ...],
+             device: str | torch.device = "cpu") -> CaseData:
+    """Generate the query and the K/V of every attended block, bit-identically on any device.
+
+    Blocks no row attends get no data: their pages are NaN canaries in the cache.
+    """
+    device = torch.device(device)
+    per_row = case.num_q_heads * case.head_dim
+    q_rows = torch.arange(case.total_q, device=device)
+    query = _draw(case.seed, _QUERY, q_rows, per_row, case.distribution)
+    written: dict[int, int] = {}
     for seq_len, table in zip(case.seq_lens, case.block_tables, strict=True):
         for lb, pb in enumerate(table):
-            owned[pb] = min(case.block_size, seq_len - lb * case.block_size)
-    blocks = tuple(sorted(owned))
+            written[pb] = min(case.block_size, seq_len - lb * case.block_size)
+    blocks = tuple(sorted({seg.physical_block for row in rows for seg in row.segments}))
     per_block = case.block_size * case.num_kv_heads * case.head_dim
-    kv_index = (
-        torch.tensor(blocks, dtype=torch.int64, device=device).view(-1, 1) * per_block
-        + torch.arange(per_block, device=device).view(1, -1)
-    )
+    block_ids = torch.tensor(blocks, dtype=torch.int64, device=device)
     shape = (len(blocks), case.block_size, case.num_kv_heads, case.head_dim)
-    k_real = _draw(case.seed, _KEY, kv_index, case.distribution).view(shape)
-    v_real = _draw(case.seed, _VALUE, kv_index, case.distribution).view(shape)
+    k_real = _draw(case.seed, _KEY, block_ids, per_block, case.distribution).view(shape)
+    v_real = _draw(case.seed, _VALUE, block_ids, per_block, case.distribution).view(shape)
     return CaseData(
-        query=query.to(torch_dtype(case.query_dtype)),
+        query=query.view(case.total_q, case.num_q_heads, case.head_dim)
+        .to(torch_dtype(case.query_dtype)),
         k_stored=quantize(k_real, case.kv_dtype, case.k_scale),
         v_stored=quantize(v_real, case.kv_dtype, case.v_scale),
         physical_blocks=blocks,
-        valid_tokens=tuple(owned[b] for b in blocks),
+        valid_tokens=tuple(written[b] for b in blocks),
         slot_of={b: i for i, b in enumerate(blocks)},
     )
 

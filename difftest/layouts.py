@@ -54,33 +54,24 @@ def _attended_pages(case: Case, rows: tuple[SparseRow, ...]) -> dict[int, int]:
     return pages
 
 
-def _plain_sides(case: Case, data: CaseData, rows: tuple[SparseRow, ...]) -> torch.Tensor:
-    """``[num_blocks, 2, 128, nkv, D]`` token-major sides with data, poison and NaN canaries."""
-    dtype = data.k_stored.dtype
-    device = data.k_stored.device
-    shape = (case.num_blocks, 2, case.block_size, case.num_kv_heads, case.head_dim)
-    sides = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    sides[0, :, : case.page_size] = POISON
+def _attended_sides(case: Case, data: CaseData, rows: tuple[SparseRow, ...]) -> torch.Tensor:
+    """``[attended, 2, 128, nkv, D]`` token-major sides of the attended blocks (ascending id):
+    data where written, poison where not, NaN on pages no row reaches."""
     attended = _attended_pages(case, rows)
-    if not attended:
-        return sides
-    blocks = sorted(attended)
-    slots = torch.tensor([data.slot_of[b] for b in blocks], device=device)
-    index = torch.tensor(blocks, device=device)
+    device = data.k_stored.device
+    blocks = data.physical_blocks
     tokens = torch.arange(case.block_size, device=device).view(1, -1)
-    written = torch.tensor([data.valid_tokens[data.slot_of[b]] for b in blocks], device=device)
+    written = torch.tensor(data.valid_tokens, device=device).view(-1, 1)
     reach = torch.tensor([attended[b] * case.page_size for b in blocks], device=device)
-    written_mask = (tokens < written.view(-1, 1))[..., None, None]
-    keep = (tokens < reach.view(-1, 1))[..., None, None]
-    for side, stored in enumerate((data.k_stored, data.v_stored)):
-        values = stored.index_select(0, slots)
-        values = torch.where(written_mask, values, torch.full_like(values, POISON))
-        sides[index, side] = torch.where(keep, values, sides[index, side])
-    return sides
+    sides = torch.stack((data.k_stored, data.v_stored), dim=1)
+    poison = torch.full_like(sides, POISON)
+    sides = torch.where((tokens < written)[:, None, :, None, None], sides, poison)
+    nan = torch.full_like(sides, float("nan"))
+    return torch.where((tokens < reach.view(-1, 1))[:, None, :, None, None], sides, nan)
 
 
 def _shuffle(sides: torch.Tensor, case: Case) -> torch.Tensor:
-    """Rewrite token-major pages of ``[..., 2, 128, nkv, D]`` sides into AITER's order."""
+    """Rewrite token-major pages of ``[blocks, 2, 128, nkv, D]`` sides into AITER's order."""
     lead = sides.shape[0]
     nkv, d = case.num_kv_heads, case.head_dim
     x = 16 // sides.element_size()
@@ -102,10 +93,17 @@ def build_cache(
     """The physical cache of ``case`` in ``in_page_order`` and its page-16 views."""
     if in_page_order not in IN_PAGE_ORDERS:
         raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
-    sides = _plain_sides(case, data, rows)
-    if in_page_order == "shuffled":
-        sides = _shuffle(sides, case)
     n, nkv, d, ps = case.num_blocks, case.num_kv_heads, case.head_dim, case.page_size
+    device = data.k_stored.device
+    # Page order does not matter for uniform pages, so only attended blocks are shuffled.
+    sides = torch.full((n, 2, case.block_size, nkv, d), float("nan"), dtype=data.k_stored.dtype,
+                       device=device)
+    sides[0, :, : case.page_size] = POISON
+    attended = _attended_sides(case, data, rows)
+    if in_page_order == "shuffled":
+        attended = _shuffle(attended, case)
+    if attended.shape[0]:
+        sides[torch.tensor(data.physical_blocks, device=device)] = attended
     c = nkv * d
     if case.kv_layout == "LBHNC":
         raw = sides.reshape(n, 2, case.block_size, c)

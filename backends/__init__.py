@@ -1,0 +1,1 @@
+"""Backends under test: one module per kernel adapter, registered by entry point."""

@@ -1,0 +1,51 @@
+"""The framework's sparse page-table builder (the reference semantics of a selection)."""
+
+from __future__ import annotations
+
+import torch
+
+from difftest.case import Case
+from difftest.sparse_table import build_rows, page_table, row_page_ids, selection_is_canonical
+
+
+def test_full_blocks_first_then_tail_and_zero_padding() -> None:
+    case = Case(num_blocks=128, seq_lens=(300,), block_tables=((9, 127, 4),),
+                selections=((2, 0, -1, -1),))
+    (row,) = build_rows(case)
+    assert [(s.block, s.physical_block, s.tokens) for s in row.segments] == [
+        (0, 9, 128), (2, 4, 44)]
+    table, ctx = page_table(case, build_rows(case))
+    assert ctx.tolist() == [172]
+    assert table[0, :8].tolist() == list(range(144, 152))
+    assert table[0, 8:16].tolist() == list(range(64, 72))
+    assert table[0, 16:].tolist() == [0] * 16
+    assert row_page_ids(case, row) == (*range(144, 152), 64, 65, 66)
+
+
+def test_mtp_rows_have_their_own_causal_limits() -> None:
+    case = Case(num_blocks=16, seq_lens=(130,), block_tables=((15, 14),),
+                selections=((0, 1),) * 4, decode_query_len=4)
+    rows = build_rows(case)
+    assert [r.abs_pos for r in rows] == [126, 127, 128, 129]
+    assert [r.context_len for r in rows] == [127, 128, 129, 130]
+    assert [len(r.segments) for r in rows] == [1, 1, 2, 2]
+
+
+def test_duplicates_future_blocks_and_padding_follow_the_kernel_rules() -> None:
+    case = Case(num_blocks=16, seq_lens=(300, 0), block_tables=((1, 2, 3), ()),
+                selections=((0, 0, 2, 2, 5, -1), (0, 1, -1, -1, -1, -1)))
+    first, padded = build_rows(case)
+    # duplicated full block attended twice, duplicated tail once, future block dropped
+    assert [(s.block, s.tokens) for s in first.segments] == [(0, 128), (0, 128), (2, 44)]
+    assert padded.segments == () and padded.context_len == 0
+    assert not selection_is_canonical(case)
+
+
+def test_canonical_selection() -> None:
+    case = Case(num_blocks=16, seq_lens=(300,), block_tables=((1, 2, 3),),
+                selections=((2, 0, -1),))
+    assert selection_is_canonical(case)
+    hole = case.replace(selections=((2, -1, 0),))
+    assert not selection_is_canonical(hole)
+    table, _ = page_table(hole, build_rows(hole))
+    assert table.dtype == torch.int32
