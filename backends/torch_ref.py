@@ -59,18 +59,14 @@ class TorchReference:
         out = torch.zeros(shape, dtype=f64, device=device)
         abs_out = torch.zeros(shape, dtype=f64, device=device)
         magnitude = torch.zeros(shape[:2], dtype=f64, device=device)
+        index_all = _token_index(inputs, ctx)
         for start in range(0, case.total_q, ROWS_PER_CHUNK):
             stop = min(start + ROWS_PER_CHUNK, case.total_q)
-            length = int(ctx[start:stop].max()) if stop > start else 0
+            length = int(ctx[start:stop].max())
             if length == 0:
                 continue
-            index = torch.zeros((stop - start, length), dtype=torch.int64)
-            for i, row in enumerate(inputs.rows[start:stop]):
-                tokens = [data.slot_of[s.physical_block] * case.block_size + t
-                          for s in row.segments for t in range(s.tokens)]
-                index[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+            index = index_all[start:stop, :length].to(device)
             mask = (torch.arange(length)[None] < ctx[start:stop, None]).to(device)
-            index = index.to(device)
             k = keys[index]  # [R, L, D]
             v = values[index]
             q = query[start:stop]  # [R, H, D]
@@ -82,3 +78,24 @@ class TorchReference:
             prod = torch.einsum("rhd,rld->rhl", q * q, k * k).sqrt() * case.softmax_scale
             magnitude[start:stop] = prod.masked_fill(~mask[:, None, :], 0).amax(dim=-1)
         return Reference(out, abs_out, magnitude, ctx.to(device))
+
+
+def _token_index(inputs: RunInputs, ctx: torch.Tensor) -> torch.Tensor:
+    """``[total_q, max_ctx]`` row-major token indices into the flattened per-block data."""
+    case, data = inputs.case, inputs.data
+    width = max((len(r.segments) for r in inputs.rows), default=0)
+    length = int(ctx.max()) if ctx.numel() else 0
+    if width == 0 or length == 0:
+        return torch.zeros((case.total_q, max(length, 1)), dtype=torch.int64)
+    slots = torch.zeros((case.total_q, width), dtype=torch.int64)
+    ends = torch.full((case.total_q, width), length + 1, dtype=torch.int64)
+    for n, row in enumerate(inputs.rows):
+        if row.segments:
+            slots[n, : len(row.segments)] = torch.tensor(
+                [data.slot_of[s.physical_block] for s in row.segments])
+            ends[n, : len(row.segments)] = torch.tensor([s.tokens for s in row.segments]).cumsum(0)
+    starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
+    pos = torch.arange(length).expand(case.total_q, length).contiguous()
+    seg = torch.searchsorted(ends, pos, right=True).clamp(max=width - 1)
+    index = slots.gather(1, seg) * case.block_size + pos - starts.gather(1, seg)
+    return torch.where(pos < ctx[:, None], index, 0)

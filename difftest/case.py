@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
@@ -136,7 +137,7 @@ class Case:
         """The highest page id a valid selection of the last physical block can produce."""
         return (self.num_blocks - 1) * self.block_page_stride + self.pages_per_side - 1
 
-    @property
+    @cached_property
     def case_id(self) -> str:
         """Stable content id: a hash of every field but ``name``."""
         payload = json.dumps(self._content(), sort_keys=True, separators=(",", ":"))

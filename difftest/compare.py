@@ -124,10 +124,10 @@ def compare(
     if tuple(actual.shape) != expected_shape:
         raise ValueError(f"{backend} returned shape {tuple(actual.shape)}, "
                          f"expected {expected_shape}")
-    got = actual.detach().to(torch.float64).cpu()
-    ref = reference.output.cpu()
-    bound = tolerance.bound(reference).cpu()
-    active = (reference.context_lens.cpu() > 0)[:, None, None].expand_as(ref)
+    ref = reference.output
+    got = actual.detach().to(device=ref.device, dtype=torch.float64)
+    bound = tolerance.bound(reference)
+    active = (reference.context_lens.to(ref.device) > 0)[:, None, None].expand_as(ref)
     error = (got - ref).abs()
     finite = torch.isfinite(got)
     error = torch.where(finite, error, torch.full_like(error, float("inf")))
@@ -142,13 +142,15 @@ def compare(
     elif empty_row_output is EmptyRowOutput.UNTOUCHED:
         violations = empty & ~torch.isnan(got).flatten(1).all(dim=1)
 
-    worst = _worst_locations(ratio, got, ref, error, bound, mismatch, case, rows)
-    active_err = error[active]
+    mismatched = int(mismatch.sum())
+    worst = _worst_locations(ratio, got, ref, error, bound, mismatch, case, rows) if (
+        mismatched) else ()
+    active_err = torch.where(active, error, torch.zeros_like(error))
     return Comparison(
         backend=backend,
-        agrees=not bool(mismatch.any()) and not bool(violations.any()),
+        agrees=mismatched == 0 and not bool(violations.any()),
         checked=int(active.sum()),
-        mismatched=int(mismatch.sum()),
+        mismatched=mismatched,
         nonfinite=nonfinite,
         max_abs_error=float(active_err.max()) if active_err.numel() else 0.0,
         max_ratio=float(ratio.max()) if ratio.numel() else 0.0,
@@ -170,9 +172,9 @@ def _worst_locations(
     case: Case,
     rows: tuple[SparseRow, ...],
 ) -> tuple[Location, ...]:
-    """The worst element of each of the worst rows (mismatches first)."""
-    if not bool(mismatch.any()):
-        return ()
+    """The worst mismatching element of each of the worst rows."""
+    ratio, got, ref, error, bound, mismatch = (
+        t.cpu() for t in (ratio, got, ref, error, bound, mismatch))
     per_row = torch.where(mismatch, ratio, torch.zeros_like(ratio)).flatten(1)
     row_best, row_arg = per_row.max(dim=1)
     order = torch.argsort(row_best, descending=True)[:WORST_LOCATIONS]

@@ -70,17 +70,13 @@ def row_page_ids(case: Case, row: SparseRow) -> tuple[int, ...]:
 def page_table(case: Case, rows: tuple[SparseRow, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sparse_block_table [total_q, topk*8], context_lens [total_q])``, both int32, CPU."""
     ppb = case.pages_per_side
-    table = torch.zeros((case.total_q, case.topk * ppb), dtype=torch.int32)
-    ctx = torch.zeros((case.total_q,), dtype=torch.int32)
-    for n, row in enumerate(rows):
-        ids = []
-        for seg in row.segments:
-            base = seg.physical_block * case.block_page_stride
-            ids.extend(base + j for j in range(ppb))
-        if ids:
-            table[n, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        ctx[n] = row.context_len
-    return table, ctx
+    blocks = torch.tensor([[seg.physical_block for seg in row.segments]
+                           + [-1] * (case.topk - len(row.segments)) for row in rows],
+                          dtype=torch.int64).view(case.total_q, case.topk)
+    pages = blocks[:, :, None] * case.block_page_stride + torch.arange(ppb)
+    table = torch.where(blocks[:, :, None] >= 0, pages, 0).view(case.total_q, -1)
+    ctx = torch.tensor([row.context_len for row in rows], dtype=torch.int32)
+    return table.to(torch.int32), ctx
 
 
 def selection_is_canonical(case: Case) -> bool:
