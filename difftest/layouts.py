@@ -100,9 +100,9 @@ def build_cache(
                        device=device)
     sides[0, :, : case.page_size] = POISON
     attended = _attended_sides(case, data, rows)
-    if in_page_order == "shuffled":
-        attended = _shuffle(attended, case)
     if attended.shape[0]:
+        if in_page_order == "shuffled":
+            attended = _shuffle(attended, case)
         sides[torch.tensor(data.physical_blocks, device=device)] = attended
     c = nkv * d
     if case.kv_layout == "LBHNC":

@@ -8,6 +8,7 @@ before any kernel starts, so a crash that kills the process loses nothing.
 from __future__ import annotations
 
 import enum
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from difftest.artifacts import ArtifactStore
 from difftest.backend import Backend, RunInputs
 from difftest.case import Case
 from difftest.compare import Comparison, compare
+from difftest.coverage import case_features
 from difftest.tolerance import Tolerance
 
 
@@ -91,11 +93,19 @@ class CaseResult:
             "case_id": self.case.case_id,
             "name": self.case.name,
             "case": self.case.to_dict(),
+            "features": case_features(self.case),
             "reference": self.reference,
             "results": [r.to_dict() for r in self.results],
             "timings": self.timings,
             "artifact": self.artifact,
         }
+
+
+def _traceback() -> str:
+    """The exception being handled: its one-line form, then the innermost frames."""
+    exc = sys.exc_info()[1]
+    detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return f"{detail}\n{traceback.format_exc(limit=-6)}"
 
 
 def _sync(device: torch.device) -> None:
@@ -114,20 +124,21 @@ def run_case(
     if store is not None:
         store.begin(case, [reference.name] + [b.name for b in backends])
     timings: dict[str, float] = {}
-    start = time.perf_counter()
     inputs = RunInputs(case, device)
-    _ = inputs.data, inputs.rows, inputs.sparse_table
-    _sync(device)
-    timings["generate"] = time.perf_counter() - start
-
-    start = time.perf_counter()
-    truth = reference.reference(inputs)  # type: ignore[attr-defined]
-    _sync(device)
-    timings["reference"] = time.perf_counter() - start
-
-    results = []
-    for backend in backends:
-        results.append(_run_backend(backend, inputs, truth, timings))
+    try:
+        start = time.perf_counter()
+        _ = inputs.data, inputs.rows, inputs.sparse_table
+        _sync(device)
+        timings["generate"] = time.perf_counter() - start
+        start = time.perf_counter()
+        truth = reference.reference(inputs)  # type: ignore[attr-defined]
+        _sync(device)
+        timings["reference"] = time.perf_counter() - start
+    except Exception:  # a framework failure is every backend's error, never a lost case
+        detail = f"the reference {reference.name!r} could not be computed:\n{_traceback()}"
+        results = [BackendResult(b.name, Status.ERROR, detail=detail) for b in backends]
+    else:
+        results = [_run_backend(backend, inputs, truth, timings) for backend in backends]
     result = CaseResult(case, reference.name, results, timings)
     if store is not None:
         result.artifact = store.finish(result)
@@ -144,22 +155,25 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Any,
     if reason is not None:
         return BackendResult(backend.name, Status.UNSUPPORTED, detail=reason)
     versions = backend.versions()
-    for order in backend.in_page_orders:
-        built = time.perf_counter()
-        inputs.cache(order)
-        _sync(device)
-        timings[f"cache:{order}"] = timings.get(f"cache:{order}", 0.0) + (
-            time.perf_counter() - built)
+    try:
+        for order in backend.in_page_orders:
+            built = time.perf_counter()
+            inputs.cache(order)
+            _sync(device)
+            timings[f"cache:{order}"] = timings.get(f"cache:{order}", 0.0) + (
+                time.perf_counter() - built)
+    except Exception:
+        return BackendResult(backend.name, Status.ERROR,
+                             detail=f"building its cache failed:\n{_traceback()}",
+                             versions=versions)
     start = time.perf_counter()
     try:
         actual = backend.run(inputs)
         _sync(device)
-    except Exception as exc:  # every failure of a backend is a result, not a crash of the run
+    except Exception:  # every failure of a backend is a result, not a crash of the run
         seconds = time.perf_counter() - start
         timings[backend.name] = seconds
-        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        tb = traceback.format_exc(limit=-6)
-        return BackendResult(backend.name, Status.ERROR, seconds, f"{detail}\n{tb}",
+        return BackendResult(backend.name, Status.ERROR, seconds, _traceback(),
                              versions=versions)
     seconds = time.perf_counter() - start
     timings[backend.name] = seconds
