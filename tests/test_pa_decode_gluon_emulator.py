@@ -609,6 +609,8 @@ def _aiter_modules() -> dict:
     return {k: v for k, v in sys.modules.items() if k.split(".")[0] == "aiter"}
 
 
+@pytest.mark.skipif(importlib.util.find_spec("aiter") is not None,
+                    reason="a real AITER is installed (see the shadow_real test)")
 def test_installed_as_aiter_registers_and_restores() -> None:
     before = _aiter_modules()
     with installed_as_aiter(revision="v0.1.20", arch="gfx942", num_cus=256) as emulator:
@@ -639,6 +641,7 @@ def test_installed_as_aiter_registers_and_restores() -> None:
 def test_installed_as_aiter_refuses_a_real_aiter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delitem(sys.modules, "aiter", raising=False)  # one imported earlier (ROCm)
     before = _aiter_modules()
     (tmp_path / "aiter").mkdir()
     (tmp_path / "aiter" / "__init__.py").write_text("")
@@ -651,6 +654,41 @@ def test_installed_as_aiter_refuses_a_real_aiter(
     with pytest.raises(RuntimeError, match="a real 'aiter' module is already imported"):
         with installed_as_aiter():
             pass
+
+
+def test_installed_as_aiter_shadows_a_real_aiter_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``shadow_real``: a real AITER (imported, with submodules) is hidden for the block,
+    no real submodule stays reachable, and all of it comes back exactly; nesting stays
+    refused."""
+    (tmp_path / "aiter").mkdir()
+    (tmp_path / "aiter" / "__init__.py").write_text("REAL = True\n")
+    (tmp_path / "aiter" / "extra.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    outside = _aiter_modules()  # an AITER this process imported before (ROCm), kept aside
+    for name in outside:
+        del sys.modules[name]
+    try:
+        real = importlib.import_module("aiter")
+        importlib.import_module("aiter.extra")
+        before = _aiter_modules()
+        with installed_as_aiter(revision="v0.1.20", shadow_real=True) as emulator:
+            from aiter.ops.triton.gluon.pa_decode_gluon import pa_decode_gluon
+
+            assert pa_decode_gluon.__self__ is emulator
+            assert not hasattr(sys.modules["aiter"], "REAL")
+            assert "aiter.extra" not in sys.modules
+            with pytest.raises(ModuleNotFoundError):
+                importlib.import_module("aiter.extra")
+            with pytest.raises(RuntimeError, match="an emulated 'aiter' module"):
+                with installed_as_aiter(shadow_real=True):
+                    pass
+        assert _aiter_modules() == before and sys.modules["aiter"] is real
+    finally:
+        for name in list(_aiter_modules()):
+            del sys.modules[name]
+        sys.modules.update(outside)
 
 
 @pytest.fixture
@@ -687,7 +725,7 @@ def test_vllm_run_gluon_decode_calls_the_emulator(
     sparse_ctx = torch.tensor([20, 3, 0, 16], dtype=torch.int32)
     output = torch.full_like(query, 7.0)
     scale = torch.tensor(1.0)
-    with installed_as_aiter(revision=revision):
+    with installed_as_aiter(revision=revision, shadow_real=True):
         vllm_sparse_pa._run_gluon_decode(
             query, key, value, sparse_bt, sparse_ctx, 1, 128**-0.5, output, scale, scale
         )

@@ -1,0 +1,141 @@
+"""``vllm-aiter`` and ``vllm-aiter@emulated``: vLLM's own MiniMax-M3 AITER decode, as shipped.
+
+``minimax_m3_sparse_attn_decode_aiter`` end to end on the case: vLLM's Triton sparse-table
+builder (``minimax_m3_build_sparse_block_table_decode``, stride read from the untrimmed views)
+and its ``_run_gluon_decode`` (the K-trim of vLLM 0.33, absent in 0.32) calling AITER's
+``pa_decode_gluon``, on the shuffled page-16 views, the logical block table, the indexer's
+selections and 0-d fp32 scales for fp8 KV. Nothing of vLLM is re-implemented, so the
+integration the fix patched is what runs, and the report names the vLLM version and path.
+
+``vllm-aiter`` needs a ROCm GPU with AITER. ``vllm-aiter@emulated`` runs the same vLLM code
+inside :func:`backends.pa_decode_gluon_emulator.installed_as_aiter`, on any machine (the
+builder runs under the Triton interpreter on CPUs); option ``revision`` picks the emulated
+contract (``vllm-aiter@emulated[revision=v0.1.20]``), and the arch follows the case's fp8
+flavour as for ``aiter-gluon@emulated``. Declared capabilities are those of
+:mod:`backends.aiter_gluon`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from backends.aiter_gluon import (
+    EMULATED_ARCH,
+    EMULATED_OPTIONS,
+    OptionSpec,
+    aiter_availability,
+    aiter_versions,
+    emulated_arch,
+    gluon_empty_rows,
+    gluon_precision,
+    gluon_unsupported,
+)
+from backends.pa_decode_gluon_emulator import REVISIONS, installed_as_aiter, make_emulator
+from backends.vllm_imports import (
+    import_minimax_m3,
+    minimax_m3_loading,
+    triton_availability,
+    vllm_location,
+    vllm_version,
+)
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.case import Case
+from difftest.dtypes import torch_dtype
+
+REAL_OPTIONS = OptionSpec("vllm-aiter", {})
+EMULATED_VLLM_OPTIONS = OptionSpec("vllm-aiter@emulated",
+                                   {"revision": EMULATED_OPTIONS.choices["revision"]})
+
+
+class VllmAiter:
+    """vLLM's ``minimax_m3_sparse_attn_decode_aiter`` on real AITER or, ``emulated``, on the
+    ``pa_decode_gluon`` emulator."""
+
+    in_page_orders = ("shuffled",)
+
+    def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
+        self.emulated = emulated
+        spec = EMULATED_VLLM_OPTIONS if emulated else REAL_OPTIONS
+        self.options = spec.parse(options or {})
+        self.name = spec.name(self.options)
+
+    def with_options(self, options: Mapping[str, str]) -> VllmAiter:
+        """The same backend configured by ``options`` (relative to the defaults)."""
+        return VllmAiter(self.emulated, options)
+
+    def availability(self) -> Availability:
+        """vLLM's Triton builder must run here; real AITER besides unless emulated."""
+        triton = triton_availability()
+        if self.emulated or not triton.available:
+            return triton
+        return aiter_availability()
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """As ``aiter-gluon``: fp32 queries; on real AITER a CPU device or foreign fp8."""
+        native = None
+        if not self.emulated:
+            from aiter import dtypes
+
+            native = dtypes.fp8
+        return gluon_unsupported(case, device, native)
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """As ``aiter-gluon`` (the output buffer is the query dtype, as in vLLM)."""
+        return gluon_precision(case)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """From the splits vLLM asks for (``get_recommended_splits(total_q, 1)``)."""
+        seqs = case.total_q * case.num_kv_heads
+        if self.emulated:
+            emulator = make_emulator(self.options["revision"], emulated_arch(case))
+            return gluon_empty_rows(emulator.get_recommended_splits(seqs, 1), emulated=True)
+        from aiter.ops.triton.gluon.pa_decode_gluon import get_recommended_splits
+
+        return gluon_empty_rows(get_recommended_splits(seqs, 1), emulated=False)
+
+    def versions(self) -> dict[str, str]:
+        """vLLM's version, path and how its kernel modules were loaded; AITER's version and
+        commit, or the emulator's revision."""
+        import triton
+
+        import_minimax_m3("amd.ops.sparse_pa")
+        versions = {"vllm": vllm_version(), "vllm_path": vllm_location(),
+                    "vllm_loading": minimax_m3_loading(), "torch": torch.__version__,
+                    "triton": triton.__version__}
+        if not self.emulated:
+            return {"kernel": "AITER pa_decode_gluon", **aiter_versions(), **versions}
+        revision = REVISIONS[self.options["revision"]]
+        return {"kernel": "pa_decode_gluon contract emulator (pure torch), not AITER",
+                "emulator_revision": revision.name, "emulated_aiter": revision.aiter_versions,
+                "emulated_arch": EMULATED_ARCH, **versions}
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """``minimax_m3_sparse_attn_decode_aiter`` over every query row."""
+        sparse_pa = import_minimax_m3("amd.ops.sparse_pa")
+        case = inputs.case
+        cache = inputs.cache("shuffled")
+        output = inputs.output(torch_dtype(case.query_dtype))
+        k_scale, v_scale = inputs.scales() if case.is_fp8 else (None, None)
+
+        def decode() -> None:
+            sparse_pa.minimax_m3_sparse_attn_decode_aiter(
+                inputs.data.query, cache.k, cache.v, inputs.selections(), inputs.block_table(),
+                inputs.seq_lens(), case.num_kv_heads, case.softmax_scale, output,
+                k_scale=k_scale, v_scale=v_scale, decode_query_len=case.decode_query_len,
+            )
+
+        if not self.emulated:
+            decode()
+            return output
+        # shadow_real: where the real AITER is also installed, this backend still means
+        # the emulator; the fake modules are gone again when the call returns.
+        with installed_as_aiter(self.options["revision"], emulated_arch(case), shadow_real=True):
+            decode()
+        return output
+
+
+def default_backends() -> list[VllmAiter]:
+    """The registered names: ``vllm-aiter`` and ``vllm-aiter@emulated`` (default options)."""
+    return [VllmAiter(), VllmAiter(emulated=True)]

@@ -1,0 +1,145 @@
+"""``vllm-triton-sparse``: vLLM's portable Triton MiniMax-M3 sparse decode.
+
+``minimax_m3_sparse_attn_decode`` (``vllm/models/minimax_m3/common/ops/sparse_attn.py``) is
+the path vLLM takes without AITER. It reads ``kv_cache [blocks, nkv, 128, 2*D]`` with V at
+``+D`` from K, which no view of the two-slot LBHNC/LHBNC cache gives, so the plain cache's K
+and V sides are gathered per physical block (through the framework's page-16 views and block
+page stride) and repacked as ``cat([K, V], -1).transpose(1, 2)``. It takes the logical block
+table, ``topk_idx [nkv, total_q, topk]``, ``seq_lens`` and ``decode_query_len`` and derives
+each row's context itself, so it is also an independent check of the framework's table
+builder. Native on a GPU; interpreted on the CPU.
+
+Its documented quirks are declared, never hidden (docs/findings.md F3-F6):
+
+* it scans only the first ``min(topk, cdiv(kv_len, 128))`` lanes (a valid entry after a -1
+  or a future block can fall outside them) and counts a duplicated tail twice, so
+  non-canonical selections are unsupported unless the option ``irregular=accept`` forces
+  them through (``vllm-triton-sparse[irregular=accept]``);
+* bfloat16 queries are miscomputed by Triton's interpreter: unsupported on the CPU unless
+  ``interpreter_bf16=accept``;
+* for a bf16/fp16 cache the query must have the cache's dtype (``tl.dot`` of q and K; only
+  fp8 K/V are cast to the query dtype);
+* rows that attend nothing are NaN ("All-empty padded rows may still produce NaNs in merge"):
+  declared undefined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from backends.aiter_gluon import OptionSpec
+from backends.vllm_imports import (
+    import_minimax_m3,
+    minimax_m3_loading,
+    triton_availability,
+    vllm_location,
+    vllm_version,
+)
+from difftest import devices
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.case import Case
+from difftest.dtypes import torch_dtype
+from difftest.sparse_table import selection_is_canonical
+
+IRREGULAR_FINDING = (
+    "non-canonical selection (a duplicate, a -1 before a valid lane, or a block past the "
+    "causal limit): minimax_m3_sparse_attn_decode scans only the first "
+    "min(topk, cdiv(kv_len, 128)) lanes and counts a duplicated tail twice (pinned finding "
+    "F4, tests/test_vllm_triton_sparse.py); vllm-triton-sparse[irregular=accept] runs it anyway"
+)
+INTERPRETER_BF16_FINDING = (
+    "bfloat16 queries under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter in "
+    "minimax_m3_sparse_attn_decode (pinned finding F3, tests/test_vllm_triton_sparse.py); "
+    "bfloat16 runs on GPUs"
+)
+OPTIONS = OptionSpec("vllm-triton-sparse", {"irregular": ("refuse", "accept"),
+                                            "interpreter_bf16": ("refuse", "accept")})
+
+
+def block_sides(view: torch.Tensor, block_page_stride: int, num_blocks: int,
+                block_size: int) -> torch.Tensor:
+    """``[blocks, block_size, nkv, D]``: one side (K or V) of every physical block, as a
+    view of a plain page-16 view ``[pages, 16, nkv, D]`` whose page ``b * stride + j`` holds
+    tokens ``16j..16j+15`` of block ``b``."""
+    page_stride, token_stride = view.stride(0), view.stride(1)
+    if page_stride != view.shape[1] * token_stride:
+        raise ValueError(f"plain pages must be token-major and contiguous, got strides "
+                         f"{view.stride()}")
+    size = (num_blocks, block_size, *view.shape[2:])
+    stride = (block_page_stride * page_stride, token_stride, *view.stride()[2:])
+    return view.as_strided(size, stride, view.storage_offset())
+
+
+class VllmTritonSparse:
+    """Adapter from a case to vLLM's ``minimax_m3_sparse_attn_decode``."""
+
+    in_page_orders = ("plain",)
+
+    def __init__(self, options: Mapping[str, str] | None = None) -> None:
+        self.options = OPTIONS.parse(options or {})
+        self.name = OPTIONS.name(self.options)
+
+    def with_options(self, options: Mapping[str, str]) -> VllmTritonSparse:
+        """The same backend configured by ``options`` (relative to the defaults)."""
+        return VllmTritonSparse(options)
+
+    def availability(self) -> Availability:
+        """Needs vLLM, and a GPU or the Triton interpreter."""
+        return triton_availability()
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """Irregular selections, interpreted bf16, mixed non-fp8 dtypes, fnuz on NVIDIA."""
+        if self.options["irregular"] == "refuse" and not selection_is_canonical(case):
+            return IRREGULAR_FINDING
+        if (device.type == "cpu" and case.query_dtype == "bfloat16"
+                and self.options["interpreter_bf16"] == "refuse"):
+            return INTERPRETER_BF16_FINDING
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return (f"a {case.kv_dtype} cache needs {case.kv_dtype} queries: only fp8 K/V are "
+                    f"cast to the query dtype, and tl.dot rejects {case.query_dtype} x "
+                    f"{case.kv_dtype} (pinned finding F5)")
+        if (device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz"
+                and devices.gpu_vendor() == "nvidia"):
+            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        return None
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """K/V (dequantised) and P in the query dtype, partials and output in the query dtype;
+        float32 dots use tf32 on GPUs."""
+        q = case.query_dtype
+        if q == "float32":
+            work = "tfloat32" if device.type == "cuda" else "float32"
+            return Precision(work, work, "float32")
+        return Precision(q, q, q)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """The merge of all-empty rows produces NaN (pinned finding F6)."""
+        return EmptyRowOutput.UNDEFINED
+
+    def versions(self) -> dict[str, str]:
+        """vLLM's version, path and loading; Triton's, and whether it is interpreted."""
+        import triton
+
+        import_minimax_m3("common.ops.sparse_attn")
+        return {"vllm": vllm_version(), "vllm_path": vllm_location(),
+                "vllm_loading": minimax_m3_loading(), "triton": triton.__version__,
+                "triton_interpret": str(devices.interpreted()), **self.options}
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """One ``minimax_m3_sparse_attn_decode`` call over every query row."""
+        sparse_attn = import_minimax_m3("common.ops.sparse_attn")
+        case = inputs.case
+        cache = inputs.cache("plain")
+        sides = [block_sides(view, cache.block_page_stride, case.num_blocks, case.block_size)
+                 for view in (cache.k, cache.v)]
+        kv_cache = torch.cat(sides, dim=-1).transpose(1, 2)  # [blocks, nkv, 128, 2D]
+        output = inputs.output(torch_dtype(case.query_dtype))
+        k_scale, v_scale = inputs.scales() if case.is_fp8 else (None, None)
+        sparse_attn.minimax_m3_sparse_attn_decode(
+            inputs.data.query, kv_cache, inputs.selections(), inputs.block_table(),
+            inputs.seq_lens(), case.num_kv_heads, case.softmax_scale, output,
+            case.decode_query_len, k_scale=k_scale, v_scale=v_scale,
+        )
+        return output
