@@ -1,20 +1,34 @@
 """Where cases and failures live on disk, so nothing is lost when a process dies.
 
-``begin`` writes the case to ``<root>/pending/`` before any kernel runs; ``finish`` removes it
-and, when a backend failed, leaves ``<root>/failures/<case_id>/`` with the case, the per-backend
-results, the environment fingerprint and the one command that replays it. A pending file
-that outlives its process is a crash: :meth:`ArtifactStore.crashed` finds them.
+``begin`` writes the case to ``<root>/pending/<case_id>.<pid>.json`` (fsynced) before any kernel
+runs, and :meth:`ArtifactStore.running` notes there which backend is running. ``finish``
+removes it and, when a backend failed, leaves ``<root>/failures/<case_id>/`` with
+
+* ``case.json``: the case (``difftest repro`` replays it),
+* ``results.json``: the case entry of the report (:func:`case_record`), with a sha256 of every
+  backend's output so a replay can be checked bit for bit,
+* ``fingerprint.json``: the environment of the process that ran it,
+* ``repro.txt``: the command that replays it and the one that pins it into the corpus.
+
+A pending file that outlives its process is a crash: :meth:`ArtifactStore.crashed` finds them
+and :meth:`ArtifactStore.record_crash` turns one into a failure directory with status
+``crash``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from difftest.case import Case
+from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
 
 if TYPE_CHECKING:
@@ -28,78 +42,202 @@ def repro_command(path: Path | str) -> str:
     return f"difftest repro {path}"
 
 
+def promote_command(path: Path | str, name: str = "NAME") -> str:
+    """The command that pins the case of an artifact directory into the corpus."""
+    return f"difftest promote {path} {name}"
+
+
+def output_digest(output: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (equal digests: bit-identical outputs)."""
+    data = output.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def case_record(result: CaseResult, outputs: dict[str, str] | None = None) -> dict[str, Any]:
+    """The report entry of a case: its result, with the digest of every backend's output."""
+    record = result.to_dict()
+    for entry in record["results"]:
+        entry["output_sha256"] = (outputs or {}).get(entry["backend"])
+    return record
+
+
 @dataclass(frozen=True)
 class PendingCase:
-    """A case whose process died before finishing it."""
+    """A case a process began and had not finished."""
 
     path: Path
     case: Case
     backends: tuple[str, ...]
     pid: int
+    host: str
+    pid_domain: str
+    running: str | None
+    environment: dict[str, Any]
 
 
 class ArtifactStore:
-    """Case and failure files under ``root`` (one per process is fine; names never clash)."""
+    """Case and failure files under ``root`` (one per process is fine; names never clash).
 
-    def __init__(self, root: Path | str = DEFAULT_ROOT) -> None:
+    ``environment`` is the fingerprint written with every pending case and failure (default:
+    this process's, computed when needed).
+    """
+
+    def __init__(self, root: Path | str = DEFAULT_ROOT,
+                 environment: dict[str, Any] | None = None) -> None:
         self.root = Path(root)
         self.pending_dir = self.root / "pending"
         self.failures_dir = self.root / "failures"
+        self.environment = environment
+        self._in_flight: dict[str, dict[str, Any]] = {}
+        self._outputs: dict[str, dict[str, str]] = {}
 
     def _pending_path(self, case: Case) -> Path:
         return self.pending_dir / f"{case.case_id}.{os.getpid()}.json"
 
-    def begin(self, case: Case, backends: list[str]) -> Path:
-        """Write the case to disk (fsynced) before it runs."""
-        self.pending_dir.mkdir(parents=True, exist_ok=True)
+    def _write_pending(self, case: Case) -> Path:
         path = self._pending_path(case)
-        payload = {"case": case.to_dict(), "backends": backends, "pid": os.getpid()}
         tmp = path.with_suffix(".tmp")
         with open(tmp, "w") as fh:
-            json.dump(payload, fh, indent=1)
+            json.dump(self._in_flight[case.case_id], fh, indent=1)
             fh.flush()
             os.fsync(fh.fileno())
         tmp.replace(path)
         return path
 
+    def begin(self, case: Case, backends: list[str]) -> Path:
+        """Write the case to disk (fsynced) before it runs; ``backends[0]`` is the reference."""
+        self.pending_dir.mkdir(parents=True, exist_ok=True)
+        self._outputs[case.case_id] = {}
+        self._in_flight[case.case_id] = {
+            "case": case.to_dict(), "backends": backends, "pid": os.getpid(),
+            "host": platform.node(), "pid_domain": pid_domain(), "running": None,
+            "environment": self.environment if self.environment is not None else fingerprint(),
+        }
+        return self._write_pending(case)
+
+    def running(self, case: Case, backend: str) -> None:
+        """Note on disk that ``backend`` now runs ``case`` (a crash is then attributed to it)."""
+        if case.case_id in self._in_flight:
+            self._in_flight[case.case_id]["running"] = backend
+            self._write_pending(case)
+
+    def record_output(self, case: Case, backend: str, output: torch.Tensor) -> str:
+        """Keep the digest of ``backend``'s output on ``case`` for its results."""
+        digest = output_digest(output)
+        self._outputs.setdefault(case.case_id, {})[backend] = digest
+        return digest
+
+    def outputs(self, case: Case) -> dict[str, str]:
+        """Output digests recorded for ``case``, by backend."""
+        return dict(self._outputs.get(case.case_id, {}))
+
     def finish(self, result: CaseResult) -> str | None:
         """Drop the pending file; on failure write the failure directory and return it."""
         artifact = None
+        in_flight = self._in_flight.pop(result.case.case_id, None)
         if result.failed:
-            artifact = str(self.write_failure(result.case, result.to_dict()))
+            environment = in_flight["environment"] if in_flight else fingerprint()
+            artifact = str(self.write_failure(result.case, case_record(
+                result, self.outputs(result.case)), environment))
         self._pending_path(result.case).unlink(missing_ok=True)
         return artifact
 
-    def write_failure(self, case: Case, results: dict[str, Any]) -> Path:
+    def write_failure(self, case: Case, record: dict[str, Any],
+                      environment: dict[str, Any]) -> Path:
         """``failures/<case_id>/`` with case.json, results.json, fingerprint.json, repro.txt."""
         directory = self.failures_dir / case.case_id
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "case.json").write_text(case.to_json())
-        (directory / "results.json").write_text(json.dumps(results, indent=1))
-        (directory / "fingerprint.json").write_text(json.dumps(fingerprint(), indent=1))
-        (directory / "repro.txt").write_text(repro_command(directory) + "\n")
+        record = record | {"artifact": str(directory)}
+        (directory / "case.json").write_text(case.to_json() + "\n")
+        (directory / "results.json").write_text(json.dumps(record, indent=1) + "\n")
+        (directory / "fingerprint.json").write_text(json.dumps(environment, indent=1) + "\n")
+        (directory / "repro.txt").write_text(
+            f"{repro_command(directory)}\n# once fixed, pin it into the regression corpus:\n"
+            f"{promote_command(directory)}\n")
         return directory
 
-    def crashed(self, alive: set[int] | None = None) -> list[PendingCase]:
-        """Pending cases whose process is gone (``alive``: pids known to still run)."""
-        found = []
+    def pending(self) -> list[PendingCase]:
+        """Every pending case on disk (any process, any host)."""
+        found: list[PendingCase] = []
         if not self.pending_dir.is_dir():
             return found
         for path in sorted(self.pending_dir.glob("*.json")):
-            payload = json.loads(path.read_text())
-            pid = int(payload["pid"])
-            if (alive is not None and pid in alive) or (alive is None and _pid_alive(pid)):
-                continue
-            found.append(PendingCase(path, Case.from_dict(payload["case"]),
-                                     tuple(payload["backends"]), pid))
+            try:
+                payload = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # removed or being replaced by its owner right now
+            found.append(PendingCase(
+                path, Case.from_dict(payload["case"]), tuple(payload["backends"]),
+                int(payload["pid"]), payload.get("host", ""), payload.get("pid_domain", ""),
+                payload.get("running"), payload.get("environment") or {}))
         return found
+
+    def crashed(self, pids: set[int] | None = None) -> list[PendingCase]:
+        """Pending cases whose process is gone (or of ``pids``, known dead).
+
+        Only cases written in this process's pid namespace are judged: a pid seen from
+        another machine or container sharing the directory says nothing here.
+        """
+        domain = pid_domain()
+        return [p for p in self.pending() if p.pid_domain in ("", domain) and (
+            p.pid in pids if pids is not None else not _pid_alive(p.pid))]
+
+    def record_crash(self, pending: PendingCase, detail: str) -> dict[str, Any]:
+        """Turn a dead process's pending case into a failure directory with status crash."""
+        reference, *under_test = pending.backends
+        if pending.running in under_test:
+            crashed = [pending.running]
+            where = f"while {pending.running} ran"
+        else:
+            crashed = under_test
+            stage = pending.running or "input generation"
+            where = f"in {stage}, before the backends under test ran"
+        directory = self.failures_dir / pending.case.case_id
+        record = {
+            "case_id": pending.case.case_id,
+            "name": pending.case.name,
+            "case": pending.case.to_dict(),
+            "features": case_features(pending.case),
+            "reference": reference,
+            "results": [{"backend": name, "status": "crash", "seconds": 0.0,
+                         "detail": f"the process died {where}: {detail}", "versions": {},
+                         "comparison": None, "output_sha256": None} for name in crashed],
+            "timings": {},
+            "artifact": str(directory),
+            "unjudged": [n for n in under_test if n not in crashed],
+        }
+        self.write_failure(pending.case, record, pending.environment)
+        pending.path.unlink(missing_ok=True)
+        return record
+
+    def recover_crashes(self, detail: str, pids: set[int] | None = None) -> list[dict[str, Any]]:
+        """:meth:`record_crash` every :meth:`crashed` case; ``detail`` says how it was found."""
+        return [self.record_crash(p, f"{detail} (pid {p.pid} on {p.host or 'this host'})")
+                for p in self.crashed(pids)]
+
+
+def pid_domain() -> str:
+    """Where this process's pid means something: host, boot and pid namespace."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        boot = namespace = ""
+    return f"{platform.node()}/{boot}/{namespace}"
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")

@@ -1,15 +1,28 @@
-"""The ``difftest`` command line."""
+"""The ``difftest`` command line.
+
+``backends`` lists what this machine can run; ``run`` runs the corpus plus a deterministic
+generated case set (``--shard K/N`` runs one part of it); ``repro`` replays one case from a
+failure directory or case file and checks it against the recording; ``promote`` pins a case
+into the corpus; ``merge`` joins shard reports; ``gate`` compares a candidate report with a
+baseline; ``plot`` draws a report.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from difftest.artifacts import DEFAULT_ROOT
+from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
 from difftest.devices import DEVICE_CHOICES
+from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
+
+EXIT_UNREADABLE = 2
+REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
 
 
 def _add_session_options(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +37,17 @@ def _add_session_options(parser: argparse.ArgumentParser) -> None:
 
 def _backend_list(text: str | None) -> list[str] | None:
     return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+
+
+def _report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
+    """Turn cases left pending by dead processes into crash artifacts, and say so."""
+    records = []
+    for store in (ArtifactStore(root), ArtifactStore(Path(root) / REPLAYS)):
+        records += store.recover_crashes(f"found by {found_by} after the process died")
+    for record in records:
+        print(f"CRASH case {record['case_id']} (an earlier run died in it): replay with "
+              f"difftest repro {record['artifact']}", file=sys.stderr)
+    return records
 
 
 class Progress:
@@ -72,23 +96,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     from cases.generate import generated_cases
     from difftest.report import build_report, summary, write_report
     from difftest.session import Session
+    from difftest.shard import Shard, ShardError
 
+    try:
+        shard = Shard.parse(args.shard, "--shard") if args.shard else None
+    except ShardError as exc:
+        print(f"difftest run: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    _report_previous_crashes(args.artifacts, "difftest run")
     session = Session.create(_backend_list(args.backends), args.plugin, args.device,
                              args.artifacts, args.reference)
     case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(args.examples,
                                                                           args.seed)
+    if shard is not None:
+        case_set = shard.select(case_set)
     progress = Progress(len(case_set))
     for case in case_set:
         result = session.run(case)
-        worst = [r.status.value for r in result.results]
-        progress.step(f"{case.case_id} {case.name or ''} {','.join(worst)}")
+        statuses = [r.status.value for r in result.results]
+        progress.step(f"{case.case_id} {case.name or ''} {','.join(statuses)}")
         for message in result.failure_messages():
             print(message, file=sys.stderr)
             if result.artifact:
                 print(f"  replay: difftest repro {result.artifact}", file=sys.stderr)
-    config = session.config() | {"examples": args.examples, "seed": args.seed,
-                                 "corpus": not args.no_corpus}
-    report = build_report(session.results, [session.reference, *session.backends], config)
+    config = session.config() | {"runner": "difftest run", "examples": args.examples,
+                                 "seed": args.seed, "corpus": not args.no_corpus,
+                                 "shard": str(shard) if shard else None}
+    report = build_report(session.records, session.backend_entries(), config,
+                          session.environment)
     print(summary(report))
     if args.report:
         write_report(args.report, report)
@@ -96,24 +131,87 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 1 if any(r.failed for r in session.results) else 0
 
 
-def cmd_repro(args: argparse.Namespace) -> int:
-    """Replay one case (a case JSON or an artifact directory) on the local backends."""
+def _load_replay_source(path: Path) -> tuple[Any, dict[str, Any] | None, dict[str, Any] | None]:
+    """``(case, recorded case entry, recorded fingerprint)`` from a directory or JSON file."""
     from difftest.case import Case
+
+    if path.is_dir():
+        recorded = path / "results.json"
+        environment = path / "fingerprint.json"
+        return (Case.from_json((path / "case.json").read_text()),
+                json.loads(recorded.read_text()) if recorded.is_file() else None,
+                json.loads(environment.read_text()) if environment.is_file() else None)
+    payload = json.loads(path.read_text())
+    if "case" in payload and "pid" in payload:  # a pending file left by a dead process
+        return Case.from_dict(payload["case"]), None, payload.get("environment")
+    return Case.from_dict(payload), None, None
+
+
+def _environment_line(info: dict[str, Any]) -> str:
+    versions = info.get("versions", {})
+    device = info.get("gpu_arch") or ("cpu, Triton interpreted" if info.get("triton_interpret")
+                                      else "cpu")
+    parts = [device] + [f"{k} {versions[k]}" for k in ("torch", "triton", "vllm", "amd-aiter",
+                                                       "aiter") if k in versions]
+    if info.get("aiter_commit"):
+        parts.append(f"aiter commit {info['aiter_commit']}")
+    return ", ".join(parts)
+
+
+def _short(digest: str | None) -> str:
+    return digest[:12] if digest else "-"
+
+
+def _ratio_text(entry: dict[str, Any]) -> str:
+    return f"{entry['comparison']['max_ratio']:.4g}" if entry.get("comparison") else "-"
+
+
+def cmd_repro(args: argparse.Namespace) -> int:
+    """Replay one case on the local backends and show what differs from the recording."""
+    from difftest.report import build_report, write_report
     from difftest.session import Session
 
     path = Path(args.path)
-    case_file = path / "case.json" if path.is_dir() else path
-    case = Case.from_json(case_file.read_text())
+    try:
+        case, recorded, environment = _load_replay_source(path)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"difftest repro: cannot read {path}: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    _report_previous_crashes(args.artifacts, "difftest repro")
     session = Session.create(_backend_list(args.backends), args.plugin, args.device,
-                             args.artifacts, args.reference)
-    result = session.run(case)
+                             str(Path(args.artifacts) / REPLAYS), args.reference)
     print(f"case {case.case_id} {case.name}".rstrip())
-    for r in result.results:
-        ratio = f"{r.comparison.max_ratio:.4g}" if r.comparison else "-"
-        print(f"  {r.backend:<24} {r.status.value:<12} error/tolerance {ratio:<10} "
-              f"{r.detail.splitlines()[0] if r.detail else ''}")
+    if environment:
+        print(f"  recorded on: {_environment_line(environment)}")
+    print(f"  replayed on: {_environment_line(session.environment)}")
+    result = session.run(case)
+    record = session.records[-1]
+    recorded_results = {r["backend"]: r for r in (recorded or {}).get("results", [])}
+    print(f"  {'backend':<24} {'status':<12} {'err/tol':<10} {'output':<13} recorded")
+    for entry in record["results"]:
+        was = recorded_results.get(entry["backend"])
+        if was is None:
+            verdict = ("not judged: the recorded run crashed first"
+                       if entry["backend"] in (recorded or {}).get("unjudged", []) else "-")
+        else:
+            same = (entry["output_sha256"] is not None
+                    and entry["output_sha256"] == was.get("output_sha256"))
+            verdict = (f"{was['status']} {_ratio_text(was)} {_short(was.get('output_sha256'))}: "
+                       + ("bit-identical" if same else "differs"))
+        print(f"  {entry['backend']:<24} {entry['status']:<12} {_ratio_text(entry):<10} "
+              f"{_short(entry['output_sha256']):<13} {verdict}")
+    for name, was in sorted(recorded_results.items()):
+        if name not in {e["backend"] for e in record["results"]}:
+            print(f"  {name:<24} {'not run':<12} {'-':<10} {'-':<13} {was['status']} "
+                  f"{_ratio_text(was)} (pass --plugin/--backends to replay it)")
     for message in result.failure_messages():
         print(message)
+    if result.artifact:
+        print(f"replay artifacts: {result.artifact}")
+    if args.report:
+        config = session.config() | {"runner": "difftest repro", "source": str(path)}
+        write_report(args.report, build_report(session.records, session.backend_entries(),
+                                               config, session.environment))
     return 1 if result.failed else 0
 
 
@@ -130,9 +228,79 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Join shard reports into one; refuse conflicting ones."""
+    from difftest.report import ReportError, read_report, summary, write_report
+    from difftest.shard import ShardError, merge_reports
+
+    try:
+        reports = [(str(p), read_report(p)) for p in args.reports]
+        merged, warnings = merge_reports(reports, force=args.force)
+    except (ReportError, ShardError) as exc:
+        print(f"difftest merge: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    write_report(args.output, merged)
+    print(summary(merged))
+    print(f"merged {len(reports)} reports ({len(merged['cases'])} cases) into {args.output}")
+    return 0
+
+
+def _version_changes(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    from difftest.fingerprint import comparable
+
+    before, after = comparable(baseline["fingerprint"]), comparable(candidate["fingerprint"])
+    lines = []
+    for key in sorted(before):
+        if key == "versions":
+            names = sorted((before[key] or {}).keys() | (after[key] or {}).keys())
+            lines += [f"  {n}: {(before[key] or {}).get(n)} -> {(after[key] or {}).get(n)}"
+                      for n in names if (before[key] or {}).get(n) != (after[key] or {}).get(n)]
+        elif before[key] != after[key]:
+            lines.append(f"  {key}: {before[key]} -> {after[key]}")
+    return lines
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    """Compare a candidate report with a baseline; exit 1 on any regression."""
+    from difftest.gate import format_result, gate
+    from difftest.report import ReportError, read_report
+
+    try:
+        baseline, candidate = read_report(args.baseline), read_report(args.candidate)
+    except ReportError as exc:
+        print(f"difftest gate: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    changes = _version_changes(baseline, candidate)
+    print(f"baseline {args.baseline} vs candidate {args.candidate}")
+    print("environment changes:" if changes else "environment: identical versions")
+    for line in changes:
+        print(line)
+    result = gate(baseline, candidate, args.max_ratio_growth, args.ratio_floor)
+    print(format_result(result, show_all=args.all))
+    return 1 if result.failed else 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Draw a report as a PNG."""
+    from difftest.plot import plot_report
+    from difftest.report import ReportError, read_report
+
+    try:
+        report = read_report(args.report)
+    except ReportError as exc:
+        print(f"difftest plot: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    output = args.output or str(Path(args.report).with_suffix(".png"))
+    print(f"wrote {plot_report(report, output)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(prog="difftest", description=__doc__)
+    parser = argparse.ArgumentParser(prog="difftest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("backends", help="list backends with availability and reasons")
@@ -145,13 +313,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--examples", type=int, default=20, help="generated cases (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated case set")
     p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
+    p.add_argument("--shard", metavar="K/N",
+                   help="run only shard K of N (1-based) of the case set, split by case id")
     p.add_argument("--report", help="write the JSON report here")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("repro", help="replay a failing case on the local backends")
     _add_session_options(p)
-    p.add_argument("path", help="artifact directory or case JSON")
+    p.add_argument("path", help="failure directory, case JSON or pending case file")
     p.add_argument("--backends", help="comma-separated backends (default: all)")
+    p.add_argument("--report", help="write the replay as a JSON report here")
     p.set_defaults(func=cmd_repro)
 
     p = sub.add_parser("promote", help="pin a case into the regression corpus")
@@ -159,6 +330,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="corpus name (letters, digits, '-', '_', '.')")
     p.add_argument("--corpus", help="corpus directory (default: cases/corpus)")
     p.set_defaults(func=cmd_promote)
+
+    p = sub.add_parser("merge", help="join shard reports into one report")
+    p.add_argument("reports", nargs="+", help="reports to join")
+    p.add_argument("-o", "--output", required=True, help="where to write the merged report")
+    p.add_argument("--force", action="store_true",
+                   help="merge even when fingerprints, configs or backends differ")
+    p.set_defaults(func=cmd_merge)
+
+    p = sub.add_parser("gate", help="fail if CANDIDATE regressed against BASELINE")
+    p.add_argument("baseline", help="report of the accepted image")
+    p.add_argument("candidate", help="report of the image under review")
+    p.add_argument("--max-ratio-growth", type=float, default=DEFAULT_MAX_RATIO_GROWTH,
+                   metavar="X", help="fail when error/tolerance grew more than X times "
+                   "(default %(default)s)")
+    p.add_argument("--ratio-floor", type=float, default=DEFAULT_RATIO_FLOOR, metavar="R",
+                   help="ignore growth while the candidate's error/tolerance <= R "
+                   "(default %(default)s)")
+    p.add_argument("--all", action="store_true", help="list unchanged rows too")
+    p.set_defaults(func=cmd_gate)
+
+    p = sub.add_parser("plot", help="draw error/tolerance and the agreement matrix as a PNG")
+    p.add_argument("report", help="a JSON report")
+    p.add_argument("-o", "--output", help="PNG path (default: REPORT with .png)")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -1,34 +1,69 @@
 """A configured run: device, reference, backends under test and the artifact store.
 
 Shared by the CLI and the pytest plugin so both resolve devices, plug-ins and backends the
-same way.
+same way, and both produce the same report entries (:func:`difftest.artifacts.case_record`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from difftest import devices, registry
-from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
-from difftest.backend import Backend
+from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, case_record
+from difftest.backend import Backend, RunInputs
 from difftest.case import Case
+from difftest.fingerprint import fingerprint
+from difftest.report import backend_entry
 from difftest.runner import CaseResult, run_case
+from difftest.tolerance import Reference
 
 DEFAULT_REFERENCE = "torch-ref"
 
 
+class ObservedBackend:
+    """A backend as a session runs it: the store learns when it starts and what it returned.
+
+    Everything else is the wrapped backend's. Marking the start on disk attributes a crash to
+    the backend that caused it; the output digest lets a replay be checked bit for bit.
+    """
+
+    def __init__(self, inner: Backend, store: ArtifactStore) -> None:
+        self.inner = inner
+        self.store = store
+        self.name = inner.name
+        self.in_page_orders = inner.in_page_orders
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The wrapped backend's output, digested."""
+        self.store.running(inputs.case, self.name)
+        output = self.inner.run(inputs)
+        if isinstance(output, torch.Tensor):
+            self.store.record_output(inputs.case, self.name, output)
+        return output
+
+    def reference(self, inputs: RunInputs) -> Reference:
+        """The wrapped reference backend's float64 reference."""
+        self.store.running(inputs.case, self.name)
+        return self.inner.reference(inputs)  # type: ignore[attr-defined]
+
+
 @dataclass
 class Session:
-    """Everything needed to run cases; collects their results."""
+    """Everything needed to run cases; collects their results and report entries."""
 
     device: torch.device
     reference: Backend
     backends: list[Backend]
     store: ArtifactStore
     results: list[CaseResult] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -50,13 +85,27 @@ class Session:
         names = list(backend_names) if backend_names is not None else [
             n for n in sorted(known) if n != reference]
         chosen = registry.select(known, [n for n in names if n != reference])
-        return cls(torch.device(resolved), ref, chosen, ArtifactStore(artifacts))
+        store = ArtifactStore(artifacts, environment=fingerprint(resolved))
+        return cls(torch.device(resolved), ref, chosen, store)
+
+    @property
+    def environment(self) -> dict[str, Any]:
+        """The fingerprint of this session's process and device."""
+        assert self.store.environment is not None
+        return self.store.environment
 
     def run(self, case: Case) -> CaseResult:
         """Run one case, keep and return its result."""
-        result = run_case(case, self.reference, self.backends, self.device, self.store)
+        result = run_case(case, ObservedBackend(self.reference, self.store),  # type: ignore[arg-type]
+                          [ObservedBackend(b, self.store) for b in self.backends],  # type: ignore[misc]
+                          self.device, self.store)
         self.results.append(result)
+        self.records.append(case_record(result, self.store.outputs(case)))
         return result
+
+    def backend_entries(self) -> dict[str, dict[str, Any]]:
+        """Availability and versions of the reference and every backend under test."""
+        return {b.name: backend_entry(b) for b in [self.reference, *self.backends]}
 
     def config(self) -> dict[str, object]:
         """The part of a report that says how this session was configured."""

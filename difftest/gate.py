@@ -1,0 +1,151 @@
+"""The AITER bump gate: is a candidate report safe against a baseline on the same case set?
+
+Every (case id, backend) of the baseline is judged against the candidate. The gate fails on
+
+* a case of the baseline missing from the candidate (the case set shrank), or a backend's
+  result missing from a case;
+* a new failing status: the candidate disagrees, errors or crashes where the baseline did not
+  (or fails differently, e.g. a disagreement became a crash);
+* a backend available in the baseline that is unavailable (or absent) in the candidate, and a
+  case it supported that it no longer supports;
+* error/tolerance that grew more than ``max_ratio_growth`` times, where the candidate's
+  ratio is above ``ratio_floor`` (tiny ratios jitter without meaning anything).
+
+Fixed cases and cases new in the candidate are listed but never fail the gate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from difftest.report import FAILING_STATUSES
+
+DEFAULT_MAX_RATIO_GROWTH = 2.0
+DEFAULT_RATIO_FLOOR = 0.5
+
+
+@dataclass(frozen=True)
+class GateRow:
+    """The verdict on one (case, backend); ``None`` statuses mean the entry is missing."""
+
+    case_id: str
+    name: str
+    backend: str
+    baseline_status: str | None
+    baseline_ratio: float | None
+    candidate_status: str | None
+    candidate_ratio: float | None
+    verdict: str
+    fails: bool
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """All rows, and the backend-level findings."""
+
+    rows: tuple[GateRow, ...]
+    backend_findings: tuple[str, ...]
+    compared: int
+
+    @property
+    def failed(self) -> bool:
+        """Whether anything regressed."""
+        return bool(self.backend_findings) or any(r.fails for r in self.rows)
+
+
+def _ratio(result: dict[str, Any] | None) -> float | None:
+    if result is None or not result.get("comparison"):
+        return None
+    return float(result["comparison"]["max_ratio"])
+
+
+def _judge(base: dict[str, Any] | None, cand: dict[str, Any] | None, growth: float,
+           floor: float) -> tuple[str, bool]:
+    if base is None:
+        return ("new in candidate", False)
+    if cand is None:
+        return ("result missing in candidate", True)
+    b, c = base["status"], cand["status"]
+    if c in FAILING_STATUSES and c != b:
+        return (f"new {c}", True)
+    if c == "unavailable" and b != "unavailable":
+        return ("became unavailable", True)
+    if c == "unsupported" and b not in ("unsupported", "unavailable"):
+        return ("no longer supported", True)
+    if b in FAILING_STATUSES and c not in FAILING_STATUSES:
+        return ("fixed", False)
+    br, cr = _ratio(base), _ratio(cand)
+    if br is not None and cr is not None and cr > floor and (
+            cr > br * growth or (math.isinf(cr) and not math.isinf(br))):
+        return (f"error/tolerance grew {cr / br:.3g}x" if br > 0 and math.isfinite(cr)
+                else "error/tolerance grew", True)
+    if b in FAILING_STATUSES:
+        return (f"still {c}", False)
+    return ("same", False)
+
+
+def gate(baseline: dict[str, Any], candidate: dict[str, Any],
+         max_ratio_growth: float = DEFAULT_MAX_RATIO_GROWTH,
+         ratio_floor: float = DEFAULT_RATIO_FLOOR) -> GateResult:
+    """Compare ``candidate`` with ``baseline`` (two reports over the same case set)."""
+    findings = []
+    for name, entry in sorted(baseline["backends"].items()):
+        cand = candidate["backends"].get(name)
+        if cand is None:
+            findings.append(f"backend {name} is missing from the candidate")
+        elif entry["available"] and not cand["available"]:
+            findings.append(f"backend {name} became unavailable: {cand['reason']}")
+    cand_cases = {c["case_id"]: c for c in candidate["cases"]}
+    base_ids = {c["case_id"] for c in baseline["cases"]}
+    rows = []
+    for case in baseline["cases"]:
+        other = cand_cases.get(case["case_id"])
+        if other is None:
+            rows.append(GateRow(case["case_id"], case["name"], "*", "present", None, None,
+                                None, "case missing in candidate (case set shrank)", True))
+            continue
+        theirs = {r["backend"]: r for r in other["results"]}
+        ours = {r["backend"]: r for r in case["results"]}
+        for backend in sorted(ours.keys() | theirs.keys()):
+            base, cand = ours.get(backend), theirs.get(backend)
+            verdict, fails = _judge(base, cand, max_ratio_growth, ratio_floor)
+            rows.append(GateRow(
+                case["case_id"], case["name"], backend, base and base["status"], _ratio(base),
+                cand and cand["status"], _ratio(cand), verdict, fails))
+    for case in candidate["cases"]:
+        if case["case_id"] not in base_ids:
+            rows.append(GateRow(case["case_id"], case["name"], "*", None, None, "present",
+                                None, "new case in candidate", False))
+    return GateResult(tuple(rows), tuple(findings), len(baseline["cases"]))
+
+
+def _fmt_ratio(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3g}"
+
+
+def format_result(result: GateResult, show_all: bool = False) -> str:
+    """The table (changed rows, or every row with ``show_all``) and a one-line verdict."""
+    shown = [r for r in result.rows if show_all or r.verdict != "same"]
+    header = ("case id", "name", "backend", "baseline", "err/tol", "candidate", "err/tol",
+              "verdict")
+    table = [header] + [
+        (r.case_id, r.name or "-", r.backend, r.baseline_status or "-",
+         _fmt_ratio(r.baseline_ratio), r.candidate_status or "-", _fmt_ratio(r.candidate_ratio),
+         ("FAIL " if r.fails else "") + r.verdict)
+        for r in sorted(shown, key=lambda r: (not r.fails, r.case_id, r.backend))
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in table] if shown else []
+    lines += [f"FAIL {finding}" for finding in result.backend_findings]
+    same = sum(r.verdict == "same" for r in result.rows)
+    failing = sum(r.fails for r in result.rows) + len(result.backend_findings)
+    pairs = sum(r.backend != "*" for r in result.rows)
+    tail = f"{result.compared} baseline cases, {pairs} (case, backend) pairs, {same} unchanged"
+    if result.failed:
+        lines.append(f"GATE FAILED: {failing} regression(s); {tail}")
+    else:
+        lines.append(f"GATE PASSED: no regression; {tail}")
+    return "\n".join(lines)

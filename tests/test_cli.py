@@ -1,0 +1,109 @@
+"""The ``difftest`` command line: run, repro, promote and their error paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cases.corpus import CORPUS_DIR, load_corpus
+from difftest import cli
+from difftest.artifacts import ArtifactStore
+from difftest.case import Case
+
+TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
+
+
+def _die_in(root: Path, case: Case, backends: list[str]) -> int:
+    """A process that begins ``case`` in the store at ``root`` and dies; returns its pid."""
+    script = ("import os, sys; from difftest.artifacts import ArtifactStore; "
+              "from difftest.case import Case; "
+              "store = ArtifactStore(sys.argv[1]); case = Case.from_json(sys.argv[2]); "
+              "store.begin(case, sys.argv[3].split(',')); store.running(case, 'torch-ref'); "
+              "print(os.getpid(), flush=True); os._exit(3)")
+    done = subprocess.run([sys.executable, "-c", script, str(root), case.to_json(),
+                           ",".join(backends)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    return int(done.stdout)
+
+
+def test_run_reports_a_case_an_earlier_run_died_in(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "artifacts"
+    pid = _die_in(root, TINY, ["torch-ref", "triton-unified"])
+    assert [p.pid for p in ArtifactStore(root).crashed()] == [pid]
+    code = cli.main(["run", "--no-corpus", "--examples", "0", "--backends", "triton-unified",
+                     "--device", "cpu", "--artifacts", str(root)])
+    assert code == 0
+    directory = root / "failures" / TINY.case_id
+    assert (f"CRASH case {TINY.case_id} (an earlier run died in it): replay with difftest "
+            f"repro {directory}") in capsys.readouterr().err
+    recorded = json.loads((directory / "results.json").read_text())
+    assert [(r["backend"], r["status"]) for r in recorded["results"]] == [
+        ("triton-unified", "crash")]
+    assert "in torch-ref, before the backends under test ran" in recorded["results"][0]["detail"]
+    assert f"(pid {pid} on " in recorded["results"][0]["detail"]
+    assert not ArtifactStore(root).pending()
+
+
+def test_a_pending_case_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    store.begin(TINY, ["torch-ref"])
+    assert store.crashed() == []
+    assert [p.case.case_id for p in store.pending()] == [TINY.case_id]
+
+
+def test_repro_replays_a_case_file_and_a_pending_file(tmp_path: Path, capsys) -> None:
+    case_file = tmp_path / "case.json"
+    case_file.write_text(TINY.to_json())
+    common = ["--backends", "triton-unified", "--device", "cpu", "--artifacts",
+              str(tmp_path / "artifacts")]
+    assert cli.main(["repro", str(case_file), *common]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"case {TINY.case_id}\n")
+    assert "triton-unified           agree" in out
+    pending = ArtifactStore(tmp_path / "elsewhere").begin(TINY, ["torch-ref", "triton-unified"])
+    assert cli.main(["repro", str(pending), *common]) == 0
+    assert f"case {TINY.case_id}" in capsys.readouterr().out
+
+
+def test_repro_of_an_unreadable_path_exits_2(tmp_path: Path, capsys) -> None:
+    assert cli.main(["repro", str(tmp_path / "nothing"), "--device", "cpu"]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_promote_pins_an_artifact_directory(tmp_path: Path, capsys) -> None:
+    store = ArtifactStore(tmp_path / "artifacts")
+    directory = store.write_failure(TINY, {"case_id": TINY.case_id, "results": []}, {})
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    assert cli.main(["promote", str(directory), "tiny-tail", "--corpus", str(corpus)]) == 0
+    assert f"pinned {corpus / 'tiny-tail.json'}" in capsys.readouterr().out
+    pinned = load_corpus(corpus)
+    assert [c.case_id for c in pinned] == [TINY.case_id] and pinned[0].name == "tiny-tail"
+    assert "difftest promote" in (directory / "repro.txt").read_text()
+
+
+def test_run_shard_is_validated(capsys) -> None:
+    assert cli.main(["run", "--shard", "5/4", "--device", "cpu"]) == 2
+    assert "--shard 5/4: K must be 1..N and N >= 1 (got K=5, N=4)" in capsys.readouterr().err
+
+
+def test_run_of_a_shard_runs_only_its_cases(tmp_path: Path, capsys) -> None:
+    report = tmp_path / "r.json"
+    corpus_ids = {c.case_id for c in load_corpus(CORPUS_DIR)}
+    code = cli.main(["run", "--examples", "0", "--shard", "2/3", "--backends", "torch-ref",
+                     "--device", "cpu", "--artifacts", str(tmp_path), "--report", str(report)])
+    assert code == 0
+    ran = {c["case_id"] for c in json.loads(report.read_text())["cases"]}
+    assert ran == {i for i in corpus_ids if int(i, 16) % 3 == 1}
+    assert f"{len(ran)} cases; reference torch-ref" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["merge", "gate", "plot"])
+def test_commands_need_their_arguments(command: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command])
+    assert exit_info.value.code == 2

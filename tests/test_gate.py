@@ -1,0 +1,156 @@
+"""``difftest gate``: a candidate report against a baseline over the same case set."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from difftest import cli
+from difftest.case import Case
+from difftest.gate import gate
+from difftest.report import build_report
+from difftest.session import Session
+
+BACKEND = "triton-unified"
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The report of a real run: two small cases on the interpreted Triton backend."""
+    session = Session.create([BACKEND], device="cpu",
+                             artifacts=str(tmp_path_factory.mktemp("artifacts")))
+    for seed in (1, 2):
+        session.run(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),
+                         selections=((0, 1),), seed=seed))
+    report = build_report(session.records, session.backend_entries(),
+                          session.config() | {"runner": "test"}, session.environment)
+    assert [r["status"] for c in report["cases"] for r in c["results"]] == ["agree", "agree"]
+    return report
+
+
+def _gate(tmp_path: Path, capsys: pytest.CaptureFixture[str], base: dict[str, Any],
+          cand: dict[str, Any], *options: str) -> tuple[int, str]:
+    paths = []
+    for name, report in (("baseline.json", base), ("candidate.json", cand)):
+        (tmp_path / name).write_text(json.dumps(report))
+        paths.append(str(tmp_path / name))
+    code = cli.main(["gate", *paths, *options])
+    return code, capsys.readouterr().out
+
+
+def _result(report: dict[str, Any], index: int = 0) -> dict[str, Any]:
+    return report["cases"][index]["results"][0]
+
+
+def test_identical_reports_pass(tmp_path, capsys, baseline) -> None:
+    code, out = _gate(tmp_path, capsys, baseline, copy.deepcopy(baseline))
+    assert code == 0
+    assert "environment: identical versions" in out
+    assert out.rstrip().endswith("GATE PASSED: no regression; 2 baseline cases, 2 (case, "
+                                 "backend) pairs, 2 unchanged")
+
+
+def test_error_growth_past_the_threshold_fails_with_a_table(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    before = _result(baseline)["comparison"]["max_ratio"]
+    _result(candidate)["comparison"]["max_ratio"] = 0.9
+    candidate["fingerprint"]["versions"]["amd-aiter"] = "0.1.7"
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    case_id = baseline["cases"][0]["case_id"]
+    header, row = out.splitlines()[3:5]
+    assert header.split() == ["case", "id", "name", "backend", "baseline", "err/tol",
+                              "candidate", "err/tol", "verdict"]
+    assert row.split()[:7] == [case_id, "-", BACKEND, "agree", f"{before:.3g}", "agree", "0.9"]
+    assert f"FAIL error/tolerance grew {0.9 / before:.3g}x" in row
+    assert "  amd-aiter: None -> 0.1.7" in out
+    assert "GATE FAILED: 1 regression(s)" in out
+
+
+def test_small_growth_below_the_floor_passes(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    ratio = _result(baseline)["comparison"]["max_ratio"]
+    _result(candidate)["comparison"]["max_ratio"] = min(ratio * 10, 0.45)
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 0, out
+    code, _ = _gate(tmp_path, capsys, baseline, candidate, "--ratio-floor", "0.01",
+                    "--max-ratio-growth", "1.5")
+    assert code == 1
+
+
+@pytest.mark.parametrize("status", ["disagree", "error", "crash"])
+def test_a_case_that_starts_failing_fails(tmp_path, capsys, baseline, status) -> None:
+    candidate = copy.deepcopy(baseline)
+    _result(candidate, 1)["status"] = status
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    assert f"FAIL new {status}" in out
+
+
+def test_a_disappearing_backend_fails(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    del candidate["backends"][BACKEND]
+    for case in candidate["cases"]:
+        case["results"] = []
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    assert f"FAIL backend {BACKEND} is missing from the candidate" in out
+    assert out.count("FAIL result missing in candidate") == 2
+
+
+def test_an_unavailable_backend_fails(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    candidate["backends"][BACKEND] |= {"available": False, "reason": "vLLM is not installed"}
+    for case in candidate["cases"]:
+        case["results"][0] |= {"status": "unavailable", "comparison": None}
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    assert f"FAIL backend {BACKEND} became unavailable: vLLM is not installed" in out
+    assert out.count("FAIL became unavailable") == 2
+
+
+def test_a_case_that_became_unsupported_fails(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    _result(candidate).update(status="unsupported", comparison=None)
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1 and "FAIL no longer supported" in out
+
+
+def test_a_shrunk_case_set_fails(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    dropped = candidate["cases"].pop(0)
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    assert f"{dropped['case_id']}  -     *" in out
+    assert "FAIL case missing in candidate (case set shrank)" in out
+
+
+def test_fixed_and_new_cases_pass(tmp_path, capsys, baseline) -> None:
+    failing = copy.deepcopy(baseline)
+    _result(failing)["status"] = "disagree"
+    grown = copy.deepcopy(baseline)
+    extra = copy.deepcopy(grown["cases"][0]) | {"case_id": "f" * 16}
+    grown["cases"].append(extra)
+    code, out = _gate(tmp_path, capsys, failing, grown)
+    assert code == 0, out
+    assert "fixed" in out and "new case in candidate" in out
+
+
+def test_a_known_failure_that_persists_passes(baseline) -> None:
+    failing = copy.deepcopy(baseline)
+    _result(failing)["status"] = "disagree"
+    result = gate(failing, copy.deepcopy(failing))
+    assert not result.failed
+    assert [r.verdict for r in result.rows] == ["still disagree", "same"]
+
+
+def test_unreadable_input_exits_2(tmp_path, capsys, baseline) -> None:
+    (tmp_path / "baseline.json").write_text(json.dumps(baseline))
+    (tmp_path / "broken.json").write_text("{")
+    assert cli.main(["gate", str(tmp_path / "baseline.json"), str(tmp_path / "broken.json")]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert cli.main(["gate", str(tmp_path / "baseline.json"), str(tmp_path / "none.json")]) == 2
