@@ -3,9 +3,10 @@
 Each strategy draws a few small numbers and a seed, then builds the data from the seed, so
 Hypothesis shrinks toward small, readable cases (one request, seed 0, float16, no flags).
 Draws are weighted toward where this family of bugs hides: the last physical block (page ids
-up to ``(N-1)*16+7``, 2039 at 128 blocks), block 0, caches large enough for page ids past
-2**16, tails of 1 and 127 tokens and exact multiples of 128, empty selections, several query
-tokens per request, and fp8 scales from 1e-3 (stored values at the fp8 maximum) to 1e2.
+up to ``(N-1)*16+7``, 2039 at 128 blocks) in a block every row attends, block 0, caches large
+enough for page ids past 2**16 (always with their last block attended), tails of 1 and 127
+tokens and exact multiples of 128, empty selections, several query tokens per request, and
+fp8 scales from 1e-3 (stored values at the fp8 maximum) to 1e2.
 """
 
 from __future__ import annotations
@@ -64,11 +65,24 @@ def seq_lens(draw: st.DrawFn, batch: int, decode_query_len: int, max_blocks: int
 
 def _block_tables(rng: random.Random, lens: list[int], n: int, favour_last: bool,
                   favour_first: bool) -> list[list[int]]:
+    """Distinct physical blocks, uniformly drawn, then moved to the boundaries.
+
+    ``favour_first`` puts block 0 (vLLM's null block) somewhere in the tables. ``favour_last``
+    puts the last physical block where every row looks: logical block 0 of the first request
+    (the indexer's forced init block, full whenever the request is longer than one block), so
+    the highest page ids are really read; a uniform draw from thousands of blocks almost
+    never selects the few past page id 2**16.
+    """
     needed = [cdiv(s, BLOCK_SIZE) for s in lens]
     chosen = rng.sample(range(n), sum(needed))
-    for forced, wanted in ((n - 1, favour_last), (0, favour_first)):
-        if wanted and chosen and forced not in chosen:
-            chosen[rng.randrange(len(chosen))] = forced
+    if chosen and favour_first and 0 not in chosen:
+        chosen[rng.randrange(1, len(chosen)) if len(chosen) > 1 else 0] = 0
+    if chosen and favour_last:
+        if n - 1 in chosen:
+            i = chosen.index(n - 1)
+            chosen[0], chosen[i] = chosen[i], chosen[0]
+        else:
+            chosen[0] = n - 1
     tables, start = [], 0
     for count in needed:
         tables.append(chosen[start : start + count])
@@ -132,7 +146,8 @@ def cases(
         lens[0] = max(dql, 1)
     topk = draw(st.sampled_from([t for t in (16, 1, 2, 4, 8, 3) if t <= max_topk]))
     mode = draw(st.sampled_from(selection_modes))
-    favour_last = draw(st.booleans())
+    # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended.
+    favour_last = n >= PAGE_IDS_PAST_2_16[layout] or draw(st.booleans())
     favour_first = draw(st.booleans())
     layout_seed = draw(st.integers(0, 2**32 - 1))
     rng = random.Random(layout_seed)

@@ -1,0 +1,1 @@
+"""Benchmarks: throughput, and the mutation benchmark (detection power)."""

@@ -1,0 +1,481 @@
+"""Detection power: how fast our strategies kill each mutant, against the peers' grids.
+
+    python -m benchmarks.mutation_benchmark            # the full run (CPU: under 10 minutes)
+    python -m benchmarks.mutation_benchmark --quick    # a smoke run
+    python -m benchmarks.mutation_benchmark --json out.json
+
+For every mutant of :mod:`mutants.catalog`:
+
+* **ours**: a Hypothesis run of :func:`cases.strategies.cases` (fixed seed, no database)
+  that raises on the first kill; Hypothesis then shrinks the killing case within a budget of
+  kernel runs, and the shrunk case's size is reported;
+* **baselines**: the peers' grids of :mod:`mutants.baseline`, in their order, up to a cap.
+
+A kill is the engine's verdict (:func:`difftest.runner.run_case` against ``torch-ref``):
+DISAGREE, ERROR or CRASH. A case on which the mutation provably changes nothing the kernel
+reads (``Mutation.reachable``) cannot kill it; it counts as an example survived, without a
+kernel run, for both generators alike. Examples count the cases a mutant faced (cases its
+backend declares unsupported are not examples). Seconds to the first kill: ours, the wall
+time of the Hypothesis run up to the kill; baselines, the time of the cases the mutant ran
+(generation, reference, its cache builds and its own run).
+
+Then the correct backends run on a long derandomized stretch of generated cases, and every
+disagreement there is a false positive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from difftest import devices
+from difftest.case import Case
+from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
+from difftest.runner import FAILING, Status, run_case
+from mutants.baseline import AITER_BATCH_SIZES, BASELINES
+
+CATALOG = "mutants.catalog"
+FALSE_POSITIVE_BACKENDS = ("triton-unified", "aiter-gluon@emulated")
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How far each part of the benchmark goes."""
+
+    examples: int = 100
+    shrink_runs: int = 40
+    baseline_cap: int = 200
+    false_positive_cases: int = 2000
+    false_positive_batch: int = 2
+    false_positive_topk: int = 4
+    aiter_batches: tuple[int, ...] = AITER_BATCH_SIZES
+    seed: int = SEED
+
+
+FULL = Limits()
+QUICK = Limits(examples=20, shrink_runs=8, baseline_cap=24, false_positive_cases=100)
+CPU_AITER_BATCHES = (3,)  # AITER's batch 81 costs 20-80 s per interpreted kernel run
+
+
+def case_size(case: Case) -> dict[str, int]:
+    """The size of a case: requests, query tokens per request, context tokens, cache blocks."""
+    return {"requests": case.batch, "query_tokens": case.decode_query_len,
+            "context_tokens": sum(case.seq_lens), "blocks": case.num_blocks}
+
+
+def describe_size(size: dict[str, int] | None) -> str:
+    """``requests x query tokens, context tokens, blocks``, e.g. ``1x1 req 128 tok 128 blk``."""
+    if size is None:
+        return "-"
+    return (f"{size['requests']}x{size['query_tokens']} req {size['context_tokens']} tok "
+            f"{size['blocks']} blk")
+
+
+@dataclass
+class Outcome:
+    """One mutant under one generator."""
+
+    mutant: str
+    generator: str
+    harmful: bool
+    killed: bool = False
+    examples: int = 0
+    seconds: float = 0.0
+    status: str = ""
+    case_id: str = ""
+    size: dict[str, int] | None = None
+    shrink_runs: int = 0
+    note: str = ""
+
+    def examples_or_inf(self) -> float:
+        """Examples to the first kill; ``inf`` when not killed."""
+        return float(self.examples) if self.killed else math.inf
+
+
+# ----- workers --------------------------------------------------------------------------------
+def _prepare_worker(device: str) -> None:
+    devices.prepare_runtime(device)
+    torch.set_num_threads(1)
+
+
+def _catalog() -> dict[str, Any]:
+    from difftest.registry import load_plugin
+
+    return {m.name: m for m in load_plugin(CATALOG)}
+
+
+def _reference() -> Any:
+    from backends.torch_ref import TorchReference
+
+    return TorchReference()
+
+
+def supported_dtypes(backend: Any, device: torch.device) -> tuple[tuple[str, ...],
+                                                                  tuple[str, ...]]:
+    """The query and KV dtypes ``backend`` declares it runs on ``device``."""
+    ok = [(q, kv) for q in QUERY_DTYPES for kv in KV_DTYPES
+          if backend.unsupported_reason(_probe_case(q, kv), device) is None]
+    queries = tuple(q for q in QUERY_DTYPES if any(q == a for a, _ in ok))
+    kvs = tuple(kv for kv in KV_DTYPES if any(kv == b for _, b in ok))
+    return queries, kvs
+
+
+def _probe_case(query_dtype: str, kv_dtype: str) -> Case:
+    return Case(num_blocks=1, seq_lens=(1,), block_tables=((0,),), selections=((0,),),
+                query_dtype=query_dtype, kv_dtype=kv_dtype)
+
+
+class _Killed(Exception):
+    """Raised inside the Hypothesis run on a kill; carries the case."""
+
+    def __init__(self, case: Case, status: str) -> None:
+        super().__init__(f"{status} on case {case.case_id}")
+        self.case = case
+        self.status = status
+
+
+def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
+         limits: Limits) -> Outcome:
+    """Our strategies against one mutant: examples and seconds to the first kill, shrunk size.
+
+    After the first kill Hypothesis shrinks; once ``limits.shrink_runs`` kernel runs are spent,
+    new candidates pass without running, so the shrink ends with the smallest case found.
+    """
+    outcome = Outcome(mutant.name, "ours", mutant.mutation.harmful)
+    reference = _reference()
+    failing: dict[str, str] = {}
+    start = time.perf_counter()
+
+    @hypothesis_seed(limits.seed)
+    @settings(max_examples=limits.examples, database=None, deadline=None, derandomize=False,
+              phases=(Phase.generate, Phase.shrink), suppress_health_check=list(HealthCheck),
+              report_multiple_bugs=False, print_blob=False, verbosity=Verbosity.quiet)
+    @given(strategy)
+    def probe(case: Case) -> None:
+        status = failing.get(case.case_id) or _judge(case)
+        if status:  # one raise site: Hypothesis tells failures apart by where they are raised
+            failing[case.case_id] = status
+            raise _Killed(case, status)
+
+    def _judge(case: Case) -> str | None:
+        shrinking = outcome.killed
+        if shrinking and outcome.shrink_runs >= limits.shrink_runs:
+            return None
+        if not mutant.mutation.reachable(case):
+            outcome.examples += 0 if shrinking else 1
+            return None
+        result = run_case(case, reference, [mutant], device).results[0]
+        if result.status in (Status.UNSUPPORTED, Status.UNAVAILABLE):
+            return None
+        if shrinking:
+            outcome.shrink_runs += 1
+        else:
+            outcome.examples += 1
+        if result.status not in FAILING:
+            return None
+        if not outcome.killed:
+            outcome.killed, outcome.status = True, result.status.value
+            outcome.seconds = time.perf_counter() - start
+        return result.status.value
+
+    try:
+        probe()
+    except _Killed as kill:
+        outcome.case_id = kill.case.case_id
+        outcome.size = case_size(kill.case)
+    if not outcome.killed:
+        outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def walk(mutants: Sequence[Any], grid: Iterable[Case], generator: str, device: torch.device,
+         cap: int) -> list[Outcome]:
+    """A peers' grid against several mutants at once, in grid order, up to ``cap`` examples.
+
+    Each grid case is generated, referenced and cached once for every mutant that can be
+    killed on it. The peers do not shrink: the size is the killing case's.
+    """
+    outcomes = {m.name: Outcome(m.name, generator, m.mutation.harmful) for m in mutants}
+    alive = {m.name: m for m in mutants}
+    reference = _reference()
+    for case in grid:
+        runnable = []
+        for name, mutant in list(alive.items()):
+            outcome = outcomes[name]
+            if outcome.examples >= cap:
+                del alive[name]
+                continue
+            if mutant.unsupported_reason(case, device) is not None:
+                continue
+            outcome.examples += 1
+            if mutant.mutation.reachable(case):
+                runnable.append(mutant)
+        if not alive:
+            break
+        if not runnable:
+            continue
+        result = run_case(case, reference, runnable, device)
+        shared = result.timings["generate"] + result.timings["reference"]
+        for mutant, r in zip(runnable, result.results, strict=True):
+            outcome = outcomes[mutant.name]
+            cache = sum(result.timings.get(f"cache:{o}", 0.0) for o in mutant.in_page_orders)
+            outcome.seconds += shared + cache + r.seconds
+            if r.status in FAILING:
+                outcome.killed, outcome.status = True, r.status.value
+                outcome.case_id, outcome.size = case.case_id, case_size(case)
+                del alive[mutant.name]
+    return list(outcomes.values())
+
+
+def _hunt_task(name: str, device: str, limits: Limits) -> Outcome:
+    from cases.strategies import cases
+
+    mutant = _catalog()[name]
+    dev = torch.device(device)
+    availability = mutant.availability()
+    if not availability.available:
+        return Outcome(name, "ours", mutant.mutation.harmful, note=availability.reason)
+    queries, kvs = supported_dtypes(mutant, dev)
+    return hunt(mutant, cases(query_dtypes=queries, kv_dtypes=kvs), dev, limits)
+
+
+def _walk_task(names: Sequence[str], generator: str, device: str,
+               limits: Limits) -> list[Outcome]:
+    catalog = _catalog()
+    dev = torch.device(device)
+    mutants = [catalog[n] for n in names if catalog[n].availability().available]
+    outcomes: list[Outcome] = []
+    by_query: dict[str, list[Any]] = {}
+    for mutant in mutants:  # the peers' bf16 query where the backend runs it, else fp16
+        queries, _ = supported_dtypes(mutant, dev)
+        by_query.setdefault("bfloat16" if "bfloat16" in queries else "float16",
+                            []).append(mutant)
+    for query_dtype, group in by_query.items():
+        options = {"batch_sizes": limits.aiter_batches} if generator == "aiter-grid" else {}
+        grid = BASELINES[generator](query_dtype=query_dtype, **options)
+        outcomes.extend(walk(group, grid, generator, dev, limits.baseline_cap))
+    return outcomes
+
+
+@dataclass
+class StretchResult:
+    """The correct backends on a stretch of generated cases."""
+
+    cases: int = 0
+    statuses: dict[str, dict[str, int]] = field(default_factory=dict)
+    false_positives: list[dict[str, str]] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def merge(self, other: StretchResult) -> None:
+        """Add another chunk's counts."""
+        self.cases += other.cases
+        for backend, counts in other.statuses.items():
+            mine = Counter(self.statuses.get(backend, {}))
+            mine.update(counts)
+            self.statuses[backend] = dict(mine)
+        self.false_positives.extend(other.false_positives)
+        self.seconds += other.seconds
+
+
+def _stretch_task(chunk: Sequence[Case], names: Sequence[str], device: str) -> StretchResult:
+    from difftest.registry import discover, select
+
+    dev = torch.device(device)
+    backends = [b for b in select(discover(), names) if b.availability().available]
+    reference = _reference()
+    out = StretchResult()
+    start = time.perf_counter()
+    counts: dict[str, Counter[str]] = {b.name: Counter() for b in backends}
+    for case in chunk:
+        result = run_case(case, reference, backends, dev)
+        out.cases += 1
+        for r in result.results:
+            counts[r.backend][r.status.value] += 1
+            if r.status in FAILING:
+                first = (r.comparison.message(case).splitlines()[1] if r.comparison
+                         else r.detail.splitlines()[0])
+                out.false_positives.append({"backend": r.backend, "case": case.to_json(),
+                                            "status": r.status.value, "detail": first})
+    out.statuses = {k: dict(v) for k, v in counts.items()}
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+def stretch_cases(device: torch.device, limits: Limits) -> list[Case]:
+    """The derandomized false-positive stretch: small geometry, every supported dtype."""
+    from cases.generate import generated_cases
+    from cases.strategies import cases
+    from difftest.registry import discover, select
+
+    queries: set[str] = set()
+    kvs: set[str] = set()
+    for backend in select(discover(), FALSE_POSITIVE_BACKENDS):
+        q, kv = supported_dtypes(backend, device)
+        queries.update(q)
+        kvs.update(kv)
+    strategy = cases(query_dtypes=tuple(q for q in QUERY_DTYPES if q in queries),
+                     kv_dtypes=tuple(k for k in KV_DTYPES if k in kvs),
+                     max_batch=limits.false_positive_batch, max_topk=limits.false_positive_topk)
+    return generated_cases(limits.false_positive_cases, limits.seed, strategy)
+
+
+# ----- the whole run --------------------------------------------------------------------------
+def run_benchmark(device: str, limits: Limits, workers: int) -> dict[str, Any]:
+    """Every part, spread over ``workers`` processes; returns the JSON-ready results."""
+    devices.prepare_runtime(device)
+    start = time.perf_counter()
+    catalog = _catalog()
+    harmful = [m.name for m in catalog.values() if m.mutation.harmful]
+    stretch = stretch_cases(torch.device(device), limits)
+    chunk = max(1, math.ceil(len(stretch) / (8 * workers)))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context,
+                                                initializer=_prepare_worker,
+                                                initargs=(device,)) as pool:
+        walks = [pool.submit(_walk_task, harmful, g, device, limits) for g in BASELINES]
+        hunts = [pool.submit(_hunt_task, name, device, limits) for name in catalog]
+        chunks = [pool.submit(_stretch_task, stretch[i : i + chunk], FALSE_POSITIVE_BACKENDS,
+                              device) for i in range(0, len(stretch), chunk)]
+        outcomes = [f.result() for f in hunts] + [o for f in walks for o in f.result()]
+        fp = StretchResult()
+        for f in chunks:
+            fp.merge(f.result())
+    return {
+        "outcomes": [asdict(o) for o in outcomes],
+        "mutants": list(catalog),
+        "false_positive_stretch": asdict(fp),
+        "limits": asdict(limits),
+        "wall_seconds": time.perf_counter() - start,
+        "machine": machine(device, workers),
+    }
+
+
+def machine(device: str, workers: int) -> dict[str, Any]:
+    """Where and with what the benchmark ran."""
+    import hypothesis
+    import triton
+
+    from backends.vllm_imports import vllm_version
+
+    return {"device": device, "nproc": os.cpu_count(), "workers": workers,
+            "processor": platform.processor(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__, "vllm": vllm_version(),
+            "hypothesis": hypothesis.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv])}
+
+
+def _cell(o: Outcome | None) -> str:
+    if o is None:
+        return "not run"
+    if o.note:
+        return f"unavailable: {o.note[:30]}"
+    if not o.killed:
+        return f"- ({o.examples})"
+    return f"{o.examples:>3} {o.seconds:6.2f}s {describe_size(o.size)}"
+
+
+def median_examples(outcomes: Iterable[Outcome]) -> tuple[float, float]:
+    """Median examples to the first kill over harmful mutants: ``(median, lower bound)``, the
+    first counting a survivor as infinite, the second as the examples it survived."""
+    harmful = [o for o in outcomes if o.harmful]
+    if not harmful:
+        return math.nan, math.nan
+    exact = statistics.median(o.examples_or_inf() for o in harmful)
+    bound = statistics.median(float(o.examples) for o in harmful)
+    return exact, bound
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """The table, the medians and the false-positive line."""
+    outcomes = [Outcome(**o) for o in data["outcomes"]]
+    generators = ["ours", *BASELINES]
+    by = {(o.mutant, o.generator): o for o in outcomes}
+    width = max(len(m) for m in data["mutants"])
+    header = f"{'mutant':<{width}}  " + "  ".join(f"{g:<38}" for g in generators)
+    lines = ["cells: examples to the first kill, seconds, size of the (shrunk) killing case "
+             "[requests x query tokens, context tokens, cache blocks]; '- (N)': not killed "
+             "in N examples", header, "-" * len(header)]
+    for name in data["mutants"]:
+        cells = [f"{_cell(by.get((name, g))):<38}" for g in generators]
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+    ours, _ = median_examples(o for o in outcomes if o.generator == "ours")
+    lines.append("")
+    lines.append(f"median examples to the first kill (harmful mutants): ours {ours:g}")
+    for g in generators[1:]:
+        exact, bound = median_examples(o for o in outcomes if o.generator == g)
+        if math.isinf(exact):
+            lines.append(f"  {g}: not killed at the median (>= {bound:g} examples); "
+                         f"ratio >= {bound / ours:.1f}x")
+        else:
+            lines.append(f"  {g}: {exact:g}; ratio {exact / ours:.1f}x")
+    harmless = [o for o in outcomes if not o.harmful]
+    flagged = [o for o in harmless if o.killed]
+    lines.append(f"harmless mutants flagged: {len(flagged)} of {len(harmless)} "
+                 f"({', '.join(f'{o.mutant} under {o.generator}' for o in flagged) or 'none'})")
+    fp = data["false_positive_stretch"]
+    lines.append(f"{len(fp['false_positives'])} false positives in {fp['cases']} derandomized "
+                 f"cases of the correct backends: " + "; ".join(
+                     f"{b} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+                     for b, c in sorted(fp["statuses"].items())))
+    for item in fp["false_positives"][:5]:
+        lines.append(f"  false positive: {item['backend']} {item['status']}: {item['detail']}")
+    m = data["machine"]
+    batches = ",".join(str(b) for b in data["limits"]["aiter_batches"])
+    lines.append(f"aiter-grid batch sizes: {batches} (AITER's: 3,81)")
+    lines.append(f"wall time {data['wall_seconds']:.0f} s on {m['device']} ({m['nproc']} cores, "
+                 f"{m['workers']} workers, {m['processor'] or m['platform']}), {m['date']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print the table; exit 1 if a harmful mutant survives ours, the
+    harmless one is flagged, or the stretch has a false positive."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (about a minute)")
+    parser.add_argument("--device", default="auto", choices=devices.DEVICE_CHOICES)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes (default: CPU cores on the CPU, 1 on a GPU)")
+    parser.add_argument("--aiter-batches", default=None,
+                        help="batch sizes of the AITER grid, e.g. 3,81 (default: AITER's 3,81 "
+                        "on a GPU, 3 on the CPU)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    device = devices.resolve(args.device)
+    workers = args.workers or ((os.cpu_count() or 1) if device == "cpu" else 1)
+    batches = (tuple(int(b) for b in args.aiter_batches.split(",")) if args.aiter_batches
+               else CPU_AITER_BATCHES if device == "cpu" else AITER_BATCH_SIZES)
+    limits = dataclasses.replace(QUICK if args.quick else FULL, aiter_batches=batches)
+    data = run_benchmark(device, limits, workers)
+    print(format_report(data))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(data, fh, indent=1)
+    ours = [Outcome(**o) for o in data["outcomes"] if o["generator"] == "ours"]
+    bad = [o for o in ours if o.killed != o.harmful]
+    return 1 if bad or data["false_positive_stretch"]["false_positives"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The mutant catalog: one fault-injected backend per real bug class of this kernel family.
+
+Each mutant is named ``<correct backend>!<bug>`` and plants its bug at the layer where that
+class of bug really lives: page-table bugs in the sparse table, view bugs in the cache views,
+scale bugs in the scale arguments, configuration bugs in the adapter's options. Load them
+with ``python -m difftest.cli run --plugin mutants.catalog --backends <mutant>`` or
+``pytest --difftest-plugin mutants.catalog``.
+
+``output-bf16`` is the control: it rounds the output to bf16 and declares it (a backend that
+stores a lower-precision output says so, and its tolerance follows), so it must never be
+reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from backends.aiter_gluon import AiterGluon, renumber_pages
+from backends.triton_unified import TritonUnifiedAttention
+from difftest.backend import Backend, Precision
+from difftest.case import Case
+from difftest.layouts import CacheViews
+from difftest.sparse_table import SparseRow, build_rows
+from mutants.injection import MutantBackend, Mutation, Table
+
+PAGE_ID_MASK_16_BITS = 0xFFFF
+
+
+# ----- which rows and cases a bug can touch ------------------------------------------------
+def _has_tail(case: Case, row: SparseRow) -> bool:
+    """Whether the row's last segment is its own (causally truncated) block."""
+    return bool(row.segments) and row.segments[-1].block == row.abs_pos // case.block_size
+
+
+def _tail_rows(case: Case) -> list[int]:
+    return [n for n, row in enumerate(build_rows(case)) if _has_tail(case, row)]
+
+
+def _mtp_rows(case: Case) -> list[int]:
+    """Rows with a tail whose query token is not the request's last one."""
+    dql = case.decode_query_len
+    return [n for n in _tail_rows(case) if n % dql < dql - 1]
+
+
+def _packed(case: Case) -> bool:
+    return case.kv_layout == "LBHNC"
+
+
+def _unselected_page(case: Case) -> tuple[int, int] | None:
+    """``(row, page id)``: the first attending row and a page of a block no row selected.
+
+    A block of that row's own request the indexer left out is preferred (the realistic stale
+    id); otherwise the highest physical block nobody attends. ``None`` if every block is
+    attended or no row attends anything.
+    """
+    rows = build_rows(case)
+    active = [n for n, row in enumerate(rows) if row.segments]
+    attended = {seg.physical_block for row in rows for seg in row.segments}
+    if not active or len(attended) >= case.num_blocks:
+        return None
+    row = active[0]
+    own = [b for b in case.block_tables[rows[row].request] if b not in attended]
+    block = max(own) if own else next(
+        b for b in range(case.num_blocks - 1, -1, -1) if b not in attended)
+    return row, block * case.block_page_stride
+
+
+# ----- page-table bugs ---------------------------------------------------------------------
+def _stride_8(case: Case, sparse: Table) -> Table:
+    table, ctx = sparse
+    if not _packed(case):
+        return sparse
+    return renumber_pages(table, case.block_page_stride, case.pages_per_side), ctx
+
+
+def _truncate_16_bits(case: Case, sparse: Table) -> Table:
+    table, ctx = sparse
+    return table & PAGE_ID_MASK_16_BITS, ctx
+
+
+def _tail_short_by_one(case: Case, sparse: Table) -> Table:
+    table, ctx = sparse
+    ctx[_tail_rows(case)] -= 1
+    return table, ctx
+
+
+def _drop_last_block(case: Case, sparse: Table) -> Table:
+    table, ctx = sparse
+    for n, row in enumerate(build_rows(case)):
+        if row.segments:
+            ctx[n] -= row.segments[-1].tokens
+    return table, ctx
+
+
+def _causal_limit_plus_one(case: Case, sparse: Table) -> Table:
+    table, ctx = sparse
+    ctx[_mtp_rows(case)] += 1
+    return table, ctx
+
+
+def _read_unselected_page(case: Case, sparse: Table) -> Table:
+    table, ctx = sparse
+    target = _unselected_page(case)
+    if target is not None:
+        row, page = target
+        table[row, 0] = page
+    return table, ctx
+
+
+# ----- cache-view bugs ---------------------------------------------------------------------
+def _v_offset(pages: int) -> Callable[[Case, CacheViews], CacheViews]:
+    """The packed V view re-sliced ``pages`` pages into the block instead of 8."""
+
+    def hook(case: Case, views: CacheViews) -> CacheViews:
+        if not _packed(case):
+            return views
+        v = views.v
+        shift = (pages - views.v_page_offset) * v.stride(0)
+        flat = views.raw.reshape(-1)
+        if shift > 0:  # the view now ends past the cache: a NaN guard page, as unread pages are
+            flat = torch.cat([flat, flat.new_full((shift,), float("nan"))])
+        shifted = flat.as_strided(v.shape, v.stride(), v.storage_offset() + shift)
+        return dataclasses.replace(views, v=shifted, v_page_offset=pages)
+
+    return hook
+
+
+def _e4m3fn_as_fnuz(case: Case, views: CacheViews) -> CacheViews:
+    if views.k.dtype != torch.float8_e4m3fn:
+        return views
+    fnuz = torch.float8_e4m3fnuz
+    return dataclasses.replace(views, raw=views.raw.view(fnuz), k=views.k.view(fnuz),
+                               v=views.v.view(fnuz))
+
+
+# ----- scale bugs --------------------------------------------------------------------------
+def _swap_scales(case: Case, scales: Table) -> Table:
+    k_scale, v_scale = scales
+    return v_scale, k_scale
+
+
+def _skip_scales(case: Case, scales: Table) -> Table:
+    k_scale, v_scale = scales
+    return torch.ones_like(k_scale), torch.ones_like(v_scale)
+
+
+# ----- the harmless control ----------------------------------------------------------------
+def _round_to_bf16(case: Case, out: torch.Tensor) -> torch.Tensor:
+    return out.to(torch.bfloat16)
+
+
+def _declare_bf16_output(precision: Precision) -> Precision:
+    return dataclasses.replace(precision, output="bfloat16")
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("v-offset-7", "packed V view starts 7 pages into the block instead of 8",
+             cache=_v_offset(7), applies_to=_packed),
+    Mutation("v-offset-9", "packed V view starts 9 pages into the block instead of 8",
+             cache=_v_offset(9), applies_to=_packed),
+    Mutation("page-stride-8", "block page stride 8 for packed sides (ids block*8+j, not *16)",
+             sparse_table=_stride_8, applies_to=_packed),
+    Mutation("tail-short-by-one", "the tail block's length is one token short",
+             sparse_table=_tail_short_by_one, applies_to=lambda c: bool(_tail_rows(c))),
+    Mutation("drop-last-block", "the last selected block of every row is dropped",
+             sparse_table=_drop_last_block,
+             applies_to=lambda c: any(r.segments for r in build_rows(c))),
+    Mutation("swap-kv-scales", "K and V scales swapped", scales=_swap_scales,
+             applies_to=lambda c: c.is_fp8 and c.k_scale != c.v_scale),
+    Mutation("skip-scales", "fp8 K/V used without their scales (KVQuantMode.NONE)",
+             scales=_skip_scales,
+             applies_to=lambda c: c.is_fp8 and (c.k_scale != 1.0 or c.v_scale != 1.0)),
+    Mutation("e4m3fn-as-fnuz", "e4m3fn cache bytes read as e4m3fnuz", cache=_e4m3fn_as_fnuz,
+             applies_to=lambda c: c.kv_dtype == "float8_e4m3fn"),
+    Mutation("page-id-16-bit", "page ids truncated to 16 bits", sparse_table=_truncate_16_bits,
+             applies_to=lambda c: c.max_page_id > PAGE_ID_MASK_16_BITS),
+    Mutation("causal-limit-plus-one", "with several query tokens, each but the last sees the "
+             "next token (causal limit off by one)", sparse_table=_causal_limit_plus_one,
+             applies_to=lambda c: bool(_mtp_rows(c))),
+    Mutation("read-unselected-page", "one attended page id replaced by a page of a block no "
+             "row selected", sparse_table=_read_unselected_page,
+             applies_to=lambda c: _unselected_page(c) is not None),
+    Mutation("output-bf16", "output rounded to bf16, declared as such (harmless)",
+             harmful=False, output=_round_to_bf16, precision=_declare_bf16_output),
+)
+
+K_TRIM_OFF = Mutation(
+    "kv-page-count-mismatch", "the report's bug: K passed untrimmed, so pa_decode_gluon gets "
+    "2048 K pages and 2040 V pages at 128 blocks (the emulator's newest contract asserts "
+    "equal counts)", applies_to=_packed)
+
+
+def build_catalog() -> list[MutantBackend]:
+    """Every mutant: the K/V page-count mismatch on the emulated AITER adapter, the rest on
+    ``triton-unified``."""
+    triton: Backend = TritonUnifiedAttention()
+    aiter = AiterGluon(emulated=True)
+    mutants = [MutantBackend(aiter.with_options({"k_trim": "off"}), K_TRIM_OFF, origin=aiter)]
+    mutants.extend(MutantBackend(triton, m) for m in MUTATIONS)
+    return mutants
+
+
+DIFFTEST_BACKENDS = build_catalog()

@@ -1,0 +1,108 @@
+"""The mutant catalog: every harmful mutant is killed within a few examples, the harmless one
+never is, and ``Mutation.reachable`` is exact where it says a case cannot kill.
+
+Kills are the engine's verdicts (``run_case`` against ``torch-ref``), found by the benchmark's
+own Hypothesis hunt under the project's strategies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+from backends.torch_ref import TorchReference
+from benchmarks.mutation_benchmark import FULL, hunt, supported_dtypes
+from cases.generate import generated_cases
+from cases.strategies import SELECTION_MODES, cases
+from difftest.backend import RunInputs
+from difftest.case import Case
+from difftest.registry import load_plugin
+from difftest.runner import Status, run_case
+from mutants.catalog import DIFFTEST_BACKENDS
+from mutants.injection import MutantBackend, MutatedInputs
+
+CPU = torch.device("cpu")
+MUTANTS = {m.name: m for m in DIFFTEST_BACKENDS}
+HARMFUL = [n for n, m in MUTANTS.items() if m.mutation.harmful]
+HARMLESS = [n for n, m in MUTANTS.items() if not m.mutation.harmful]
+KILL_WITHIN = 10  # examples; the benchmark records the exact counts
+HARMLESS_CASES = 30
+
+
+def _strategy(mutant: MutantBackend, **kwargs: Any) -> st.SearchStrategy[Case]:
+    queries, kvs = supported_dtypes(mutant, CPU)
+    return cases(query_dtypes=queries, kv_dtypes=kvs, **kwargs)
+
+
+def test_catalog_loads_as_a_plugin_with_the_issue_names() -> None:
+    names = {b.name for b in load_plugin("mutants.catalog")}
+    assert names == set(MUTANTS)
+    assert "aiter-gluon@emulated!kv-page-count-mismatch" in names
+    assert all(n.startswith(("triton-unified!", "aiter-gluon@emulated!")) for n in names)
+    assert HARMLESS == ["triton-unified!output-bf16"]
+
+
+@pytest.mark.parametrize("name", HARMFUL)
+def test_harmful_mutant_is_killed_quickly(name: str) -> None:
+    mutant = MUTANTS[name]
+    limits = dataclasses.replace(FULL, examples=KILL_WITHIN, shrink_runs=0)
+    outcome = hunt(mutant, _strategy(mutant), CPU, limits)
+    assert outcome.killed, f"{name} survived {outcome.examples} examples"
+    assert outcome.status in {"disagree", "error", "crash"}
+    assert outcome.examples <= KILL_WITHIN
+
+
+def test_page_count_mismatch_is_the_reports_assertion() -> None:
+    """The K-trim switched off errors exactly as the report's traceback, on packed cases only."""
+    mutant = MUTANTS["aiter-gluon@emulated!kv-page-count-mismatch"]
+    packed = cases(query_dtypes=("float16",), kv_dtypes=("float8_e4m3fn",), layouts=("LBHNC",))
+    dense = cases(query_dtypes=("float16",), kv_dtypes=("float8_e4m3fn",), layouts=("LHBNC",))
+    case = generated_cases(1, 0, packed)[0]
+    result = run_case(case, TorchReference(), [mutant], CPU).results[0]
+    assert result.status is Status.ERROR
+    assert "key/value caches must have the same number of blocks" in result.detail
+    dense_case = generated_cases(1, 0, dense)[0]
+    assert run_case(dense_case, TorchReference(), [mutant], CPU).results[0].status is not (
+        Status.ERROR)
+
+
+@pytest.mark.parametrize("name", HARMLESS)
+def test_harmless_mutant_is_never_flagged(name: str) -> None:
+    mutant = MUTANTS[name]
+    limits = dataclasses.replace(FULL, examples=HARMLESS_CASES)
+    outcome = hunt(mutant, _strategy(mutant, max_batch=2, max_topk=4), CPU, limits)
+    assert not outcome.killed, f"{name} flagged ({outcome.status}) on case {outcome.case_id}"
+    assert outcome.examples == HARMLESS_CASES
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.data_ptr() == b.data_ptr())
+
+
+@pytest.mark.parametrize("name", [n for n in HARMFUL if "kv-page-count" not in n])
+def test_unreachable_means_unchanged(name: str) -> None:
+    """Where ``reachable`` is False, every input the kernel reads is bit-identical."""
+    mutant = MUTANTS[name]
+    # Dropping the last block changes nothing only where no row attends anything.
+    modes = ("empty-rows",) if name.endswith("!drop-last-block") else SELECTION_MODES
+    checked = 0
+    strategy = _strategy(mutant, max_batch=2, max_topk=4, selection_modes=modes)
+    for case in generated_cases(40, 1, strategy):
+        if mutant.mutation.reachable(case):
+            continue
+        checked += 1
+        inputs = RunInputs(case, CPU)
+        mutated = MutatedInputs(inputs, mutant.mutation)
+        for got, want in zip(mutated.sparse_table, inputs.sparse_table, strict=True):
+            assert torch.equal(got, want), case.case_id
+        for got, want in zip(mutated.scales(), inputs.scales(), strict=True):
+            assert torch.equal(got, want), case.case_id
+        for order in mutant.in_page_orders:
+            views, plain = mutated.cache(order), inputs.cache(order)
+            assert _same_tensor(views.k, plain.k) and _same_tensor(views.v, plain.v)
+    assert checked > 0, f"no unreachable case drawn for {name}"
