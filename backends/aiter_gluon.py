@@ -136,14 +136,16 @@ def emulated_arch(case: Case) -> str:
     return "gfx942" if case.kv_dtype == "float8_e4m3fnuz" else "gfx950"
 
 
-def gluon_unsupported(case: Case, device: torch.device,
-                      native_fp8: torch.dtype | None) -> str | None:
-    """What ``pa_decode_gluon`` refuses; ``native_fp8`` is the real GPU's fp8 (None: emulated)."""
+def gluon_unsupported(case: Case, device: torch.device, emulated: bool) -> str | None:
+    """What ``pa_decode_gluon`` refuses; the real kernel also needs its GPU's fp8 flavour."""
     if case.query_dtype == "float32":
         return ("AITER pa_decode_gluon asserts a query dtype in [fp8, bfloat16, float16]; "
                 "float32 queries are not supported")
-    if native_fp8 is None:
+    if emulated:
         return None
+    from aiter import dtypes
+
+    native_fp8 = dtypes.fp8
     if device.type != "cuda":
         return f"real AITER runs on ROCm GPUs only; this run's device is {device.type}"
     if case.is_fp8 and torch_dtype(case.kv_dtype) != native_fp8:
@@ -295,12 +297,7 @@ class AiterGluon:
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """fp32 queries; on real AITER also a CPU device or a non-native fp8 flavour."""
-        native = None
-        if not self.emulated:
-            from aiter import dtypes
-
-            native = dtypes.fp8
-        return gluon_unsupported(case, device, native)
+        return gluon_unsupported(case, device, self.emulated)
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """See :func:`gluon_precision`."""

@@ -8,10 +8,9 @@ with ``KVQuantMode.FP8_PER_TENSOR``. Native on a GPU; on the CPU under ``TRITON_
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from backends.vllm_imports import triton_availability, triton_precision
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
@@ -35,12 +34,7 @@ class TritonUnifiedAttention:
 
     def availability(self) -> Availability:
         """Needs vLLM; on a machine without GPUs also the Triton interpreter."""
-        if importlib.util.find_spec("vllm") is None:
-            return Availability(False, "vLLM is not installed (pip install vllm)")
-        if devices.visible_gpu_count() == 0 and not devices.interpreted():
-            return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets it "
-                                "for --device cpu before vLLM is imported)")
-        return Availability(True)
+        return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """bf16 queries under the interpreter; e4m3fnuz on NVIDIA GPUs."""
@@ -56,11 +50,7 @@ class TritonUnifiedAttention:
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """K/V dequantised to the query dtype; fp32 dots use tf32 on GPUs."""
-        q = case.query_dtype
-        if q == "float32":
-            work = "tfloat32" if device.type == "cuda" else "float32"
-            return Precision(work, work, "float32")
-        return Precision(q, q, q)
+        return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
         """The 2-D kernel writes 0 on rows with no context."""

@@ -74,12 +74,7 @@ class VllmAiter:
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """As ``aiter-gluon``: fp32 queries; on real AITER a CPU device or foreign fp8."""
-        native = None
-        if not self.emulated:
-            from aiter import dtypes
-
-            native = dtypes.fp8
-        return gluon_unsupported(case, device, native)
+        return gluon_unsupported(case, device, self.emulated)
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """As ``aiter-gluon`` (the output buffer is the query dtype, as in vLLM)."""

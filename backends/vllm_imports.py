@@ -16,8 +16,11 @@ import sys
 import types
 from pathlib import Path
 
+import torch
+
 from difftest import devices
-from difftest.backend import Availability
+from difftest.backend import Availability, Precision
+from difftest.case import Case
 
 _PACKAGES = (
     "vllm.models.minimax_m3",
@@ -65,6 +68,16 @@ def triton_availability() -> Availability:
         return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets it "
                             "for --device cpu before vLLM is imported)")
     return Availability(True)
+
+
+def triton_precision(case: Case, device: torch.device) -> Precision:
+    """vLLM's Triton attention: K/V dequantised to the query dtype, P and output in it;
+    float32 dots use tf32 on GPUs."""
+    q = case.query_dtype
+    if q == "float32":
+        work = "tfloat32" if device.type == "cuda" else "float32"
+        return Precision(work, work, "float32")
+    return Precision(q, q, q)
 
 
 def minimax_m3_loading() -> str:

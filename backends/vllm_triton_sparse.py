@@ -34,6 +34,7 @@ from backends.vllm_imports import (
     import_minimax_m3,
     minimax_m3_loading,
     triton_availability,
+    triton_precision,
     vllm_location,
     vllm_version,
 )
@@ -108,11 +109,7 @@ class VllmTritonSparse:
     def precision(self, case: Case, device: torch.device) -> Precision:
         """K/V (dequantised) and P in the query dtype, partials and output in the query dtype;
         float32 dots use tf32 on GPUs."""
-        q = case.query_dtype
-        if q == "float32":
-            work = "tfloat32" if device.type == "cuda" else "float32"
-            return Precision(work, work, "float32")
-        return Precision(q, q, q)
+        return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
         """The merge of all-empty rows produces NaN (pinned finding F6)."""
