@@ -10,6 +10,7 @@ machine without GPUs the CPU runtime is prepared for vLLM's Triton kernels: they
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -78,11 +79,14 @@ def prepare_runtime(device: str) -> None:
     """Set the environment vLLM's Triton kernels need on ``device``; call before importing vLLM.
 
     On the CPU, Triton kernels run in the interpreter and vLLM must not see a CUDA device
-    (else it disables Triton for want of a driver).
+    (else it disables Triton for want of a driver). The interpreter's numpy warning about
+    0/0 on masked lanes (which the kernels discard) is silenced.
     """
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        warnings.filterwarnings("ignore", "invalid value encountered in divide",
+                                RuntimeWarning, "triton.runtime.interpreter")
 
 
 def interpreted() -> bool:
