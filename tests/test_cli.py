@@ -30,12 +30,13 @@ def _die_in(root: Path, case: Case, backends: list[str]) -> int:
     return int(done.stdout)
 
 
-def test_run_reports_a_case_an_earlier_run_died_in(tmp_path: Path, capsys) -> None:
+def test_run_reports_a_case_an_earlier_run_died_in(tmp_path: Path, capsys,
+                                                     device_name: str) -> None:
     root = tmp_path / "artifacts"
     pid = _die_in(root, TINY, ["torch-ref", "triton-unified"])
     assert [p.pid for p in ArtifactStore(root).crashed()] == [pid]
     code = cli.main(["run", "--no-corpus", "--examples", "0", "--backends", "triton-unified",
-                     "--device", "cpu", "--artifacts", str(root)])
+                     "--device", device_name, "--artifacts", str(root)])
     assert code == 0
     directory = root / "failures" / TINY.case_id
     assert (f"CRASH case {TINY.case_id} (an earlier run died in it): replay with difftest "
@@ -55,10 +56,11 @@ def test_a_pending_case_of_a_live_process_is_left_alone(tmp_path: Path) -> None:
     assert [p.case.case_id for p in store.pending()] == [TINY.case_id]
 
 
-def test_repro_replays_a_case_file_and_a_pending_file(tmp_path: Path, capsys) -> None:
+def test_repro_replays_a_case_file_and_a_pending_file(tmp_path: Path, capsys,
+                                                       device_name: str) -> None:
     case_file = tmp_path / "case.json"
     case_file.write_text(TINY.to_json())
-    common = ["--backends", "triton-unified", "--device", "cpu", "--artifacts",
+    common = ["--backends", "triton-unified", "--device", device_name, "--artifacts",
               str(tmp_path / "artifacts")]
     assert cli.main(["repro", str(case_file), *common]) == 0
     out = capsys.readouterr().out
@@ -69,8 +71,8 @@ def test_repro_replays_a_case_file_and_a_pending_file(tmp_path: Path, capsys) ->
     assert f"case {TINY.case_id}" in capsys.readouterr().out
 
 
-def test_repro_of_an_unreadable_path_exits_2(tmp_path: Path, capsys) -> None:
-    assert cli.main(["repro", str(tmp_path / "nothing"), "--device", "cpu"]) == 2
+def test_repro_of_an_unreadable_path_exits_2(tmp_path: Path, capsys, device_name: str) -> None:
+    assert cli.main(["repro", str(tmp_path / "nothing"), "--device", device_name]) == 2
     assert "cannot read" in capsys.readouterr().err
 
 
@@ -86,16 +88,17 @@ def test_promote_pins_an_artifact_directory(tmp_path: Path, capsys) -> None:
     assert "difftest promote" in (directory / "repro.txt").read_text()
 
 
-def test_run_shard_is_validated(capsys) -> None:
-    assert cli.main(["run", "--shard", "5/4", "--device", "cpu"]) == 2
+def test_run_shard_is_validated(capsys, device_name: str) -> None:
+    assert cli.main(["run", "--shard", "5/4", "--device", device_name]) == 2
     assert "--shard 5/4: K must be 1..N and N >= 1 (got K=5, N=4)" in capsys.readouterr().err
 
 
-def test_run_of_a_shard_runs_only_its_cases(tmp_path: Path, capsys) -> None:
+def test_run_of_a_shard_runs_only_its_cases(tmp_path: Path, capsys, device_name: str) -> None:
     report = tmp_path / "r.json"
     corpus_ids = {c.case_id for c in load_corpus(CORPUS_DIR)}
     code = cli.main(["run", "--examples", "0", "--shard", "2/3", "--backends", "torch-ref",
-                     "--device", "cpu", "--artifacts", str(tmp_path), "--report", str(report)])
+                     "--device", device_name, "--artifacts", str(tmp_path),
+                     "--report", str(report)])
     assert code == 0
     ran = {c["case_id"] for c in json.loads(report.read_text())["cases"]}
     assert ran == {i for i in corpus_ids if int(i, 16) % 3 == 1}

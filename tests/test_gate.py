@@ -19,9 +19,9 @@ BACKEND = "triton-unified"
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def baseline(tmp_path_factory: pytest.TempPathFactory, device_name: str) -> dict[str, Any]:
     """The report of a real run: two small cases on the interpreted Triton backend."""
-    session = Session.create([BACKEND], device="cpu",
+    session = Session.create([BACKEND], device=device_name,
                              artifacts=str(tmp_path_factory.mktemp("artifacts")))
     for seed in (1, 2):
         session.run(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),

@@ -19,9 +19,9 @@ pytest.importorskip("matplotlib")
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def report(tmp_path_factory: pytest.TempPathFactory, device_name: str) -> dict:
     """A real run of three cases of different lengths and page ids, plus a synthetic failure."""
-    session = Session.create(["triton-unified"], device="cpu",
+    session = Session.create(["triton-unified"], device=device_name,
                              artifacts=str(tmp_path_factory.mktemp("artifacts")))
     session.run(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),
                      selections=((0, 1),), seed=1))

@@ -47,11 +47,12 @@ def test_shard_parse_errors_name_the_option_and_range(text: str, message: str) -
 
 
 @pytest.fixture(scope="module")
-def shard_reports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path], Path]:
+def shard_reports(tmp_path_factory: pytest.TempPathFactory,
+                  device_name: str) -> tuple[Path, list[Path], Path]:
     """An unsharded run of a generated case set, its four shards, and their merge."""
     root = tmp_path_factory.mktemp("shards")
     common = ["--no-corpus", "--examples", "8", "--seed", "11", "--backends", "triton-unified",
-              "--device", "cpu", "--artifacts", str(root / "artifacts")]
+              "--device", device_name, "--artifacts", str(root / "artifacts")]
     whole = root / "whole.json"
     assert cli.main(["run", *common, "--report", str(whole)]) == 0
     parts = []
