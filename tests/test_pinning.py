@@ -249,7 +249,8 @@ def test_pytest_refuses_a_mask_naming_more_gpus_than_exist(tmp_path: Path) -> No
 
 def test_pytest_refuses_device_cuda_without_a_visible_gpu(tmp_path: Path) -> None:
     (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    # Two (faked) AMD GPUs, all hidden by the runner's mask: the same on every machine.
     done = run_pytest(tmp_path, "--difftest-device", "cuda",
-                      env=clean_env(HIP_VISIBLE_DEVICES=""))
+                      env=clean_env(HIP_VISIBLE_DEVICES="", **{FAKE_GPUS_ENV: "amd:2"}))
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert "--difftest-device cuda, but no GPU is visible" in done.stderr
