@@ -171,7 +171,8 @@ def test_case(seed, check_case, tmp_path_factory):
     check_case(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),
                     selections=((0, 1),), seed=seed))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    seen = {v: os.environ.get(v) for v in ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")}
+    seen = {v: os.environ.get(v) for v in ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                                           "CUDA_VISIBLE_DEVICES")}
     with open(f"seen-{worker}-{seed}.json", "w") as fh:
         json.dump({"worker": worker, "seen": seen}, fh)
 '''
@@ -236,6 +237,32 @@ def test_pytest_n4_pins_each_worker_and_keeps_the_controller_gpu_free(tmp_path: 
     assert controller == {"gpu_runtime_initialized": False, "visibility": dict.fromkeys(
         ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"))}
     assert "worker gw3 (pid" in done.stdout and "HIP_VISIBLE_DEVICES=1" in done.stdout
+
+
+@pytest.mark.skipif(devices.physical_gpu_count() == 0, reason="needs a real GPU")
+def test_pytest_n4_pins_each_worker_to_a_real_gpu(tmp_path: Path) -> None:
+    """On a GPU machine (fewer GPUs than workers included): each worker computes on the GPU
+    the controller assigned it, round-robin, and the controller never starts a runtime."""
+    (tmp_path / "fast.py").write_text(PLUGIN)
+    (tmp_path / "test_pinned.py").write_text(TESTS)
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    done = run_pytest(tmp_path, "-n", "4", "--difftest-plugin", "fast.py",
+                      "--difftest-backends", "rounded", "--difftest-report", "report.json",
+                      env=clean_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    vendor, physical = detect()
+    workers = json.loads((tmp_path / "report.json").read_text())["workers"]
+    assert sorted(workers) == ["gw0", "gw1", "gw2", "gw3"]
+    for worker, entry in workers.items():
+        assert entry["gpu_env"] == assign(int(worker[2:]), 4, {}, physical, vendor)
+        assert entry["device"] == "cuda" and entry["gpu_name"] and entry["pid"] != os.getpid()
+    for seen in tmp_path.glob("seen-*.json"):
+        record = json.loads(seen.read_text())
+        gpu_env = workers[record["worker"]]["gpu_env"]
+        assert {k: record["seen"][k] for k in gpu_env} == gpu_env
+    assert len(list(tmp_path.glob("seen-*.json"))) == 4
+    controller = json.loads((tmp_path / "controller.json").read_text())
+    assert controller["gpu_runtime_initialized"] is False
 
 
 def test_pytest_refuses_a_mask_naming_more_gpus_than_exist(tmp_path: Path) -> None:
