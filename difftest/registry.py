@@ -94,12 +94,51 @@ def discover(plugins: Iterable[str] = ()) -> dict[str, Backend]:
     return backends
 
 
+def split_names(text: str) -> list[str]:
+    """``a,b[k=v,k2=v2],c`` -> ``["a", "b[k=v,k2=v2]", "c"]`` (commas inside ``[...]`` stay)."""
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            if text[start:i].strip():
+                names.append(text[start:i].strip())
+            start = i + 1
+    return names
+
+
+def parse_name(name: str) -> tuple[str, dict[str, str]]:
+    """``base[key=value,...]`` -> ``(base, {key: value})``; a plain name has no options."""
+    if not name.endswith("]") or "[" not in name:
+        return name, {}
+    base, _, inner = name[:-1].partition("[")
+    options = {}
+    for item in filter(None, (part.strip() for part in inner.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise RegistryError(f"backend {name!r}: option {item!r} is not key=value")
+        options[key.strip()] = value.strip()
+    return base, options
+
+
 def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]:
-    """The backends called ``names``, in that order; unknown names are an error."""
+    """The backends called ``names``, in that order; unknown names are an error.
+
+    ``base[key=value,...]`` configures a registered backend through its ``with_options``.
+    """
     chosen = []
     for name in names:
-        if name not in available:
+        if name in available:
+            chosen.append(available[name])
+            continue
+        base, options = parse_name(name)
+        if base not in available:
             known = ", ".join(sorted(available))
             raise RegistryError(f"unknown backend {name!r}; known backends: {known}")
-        chosen.append(available[name])
+        configure = getattr(available[base], "with_options", None)
+        if not options or configure is None:
+            raise RegistryError(f"backend {base!r} takes no options (got {name!r})")
+        try:
+            chosen.append(configure(options))
+        except ValueError as exc:
+            raise RegistryError(f"backend {name!r}: {exc}") from exc
     return chosen

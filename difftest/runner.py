@@ -178,8 +178,15 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Any,
     seconds = time.perf_counter() - start
     timings[backend.name] = seconds
     start = time.perf_counter()
-    comparison = compare(backend.name, actual, truth, Tolerance(backend.precision(case, device)),
-                         backend.empty_row_output(case), case, inputs.rows)
-    timings["compare"] = timings.get("compare", 0.0) + time.perf_counter() - start
+    try:
+        comparison = compare(backend.name, actual, truth,
+                             Tolerance(backend.precision(case, device)),
+                             backend.empty_row_output(case), case, inputs.rows)
+    except Exception:  # an output that cannot be compared (wrong shape, not a tensor)
+        return BackendResult(backend.name, Status.ERROR, seconds,
+                             f"its output could not be compared:\n{_traceback()}",
+                             versions=versions)
+    finally:
+        timings["compare"] = timings.get("compare", 0.0) + time.perf_counter() - start
     status = Status.AGREE if comparison.agrees else Status.DISAGREE
     return BackendResult(backend.name, status, seconds, comparison=comparison, versions=versions)
