@@ -19,6 +19,7 @@ def promote(case: Case, name: str, directory: Path | str = CORPUS_DIR) -> Path:
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ValueError(f"corpus name {name!r}: allowed letters, digits, '-', '_' and '.'")
     path = Path(directory) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     named = case.replace(name=name)
     if path.exists() and Case.from_json(path.read_text()).case_id != named.case_id:
         raise FileExistsError(f"{path} already pins a different case")

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,9 +38,10 @@ if TYPE_CHECKING:
 DEFAULT_ROOT = "difftest-artifacts"
 
 
-def repro_command(path: Path | str) -> str:
-    """The command that replays an artifact directory or case file."""
-    return f"difftest repro {path}"
+def repro_command(path: Path | str, plugins: Iterable[str] = ()) -> str:
+    """The command that replays an artifact directory or case file (with the plug-ins that
+    provided its backends)."""
+    return " ".join([f"difftest repro {path}", *(f"--plugin {p}" for p in plugins)])
 
 
 def promote_command(path: Path | str, name: str = "NAME") -> str:
@@ -81,12 +83,14 @@ class ArtifactStore:
     """Case and failure files under ``root`` (one per process is fine; names never clash).
 
     ``environment`` is the fingerprint written with every pending case and failure (default:
-    this process's, computed when needed).
+    this process's, computed when needed); ``plugins`` go into the replay commands.
     """
 
     def __init__(self, root: Path | str = DEFAULT_ROOT,
-                 environment: dict[str, Any] | None = None) -> None:
+                 environment: dict[str, Any] | None = None,
+                 plugins: tuple[str, ...] = ()) -> None:
         self.root = Path(root)
+        self.plugins = plugins
         self.pending_dir = self.root / "pending"
         self.failures_dir = self.root / "failures"
         self.environment = environment
@@ -154,7 +158,8 @@ class ArtifactStore:
         (directory / "results.json").write_text(json.dumps(record, indent=1) + "\n")
         (directory / "fingerprint.json").write_text(json.dumps(environment, indent=1) + "\n")
         (directory / "repro.txt").write_text(
-            f"{repro_command(directory)}\n# once fixed, pin it into the regression corpus:\n"
+            f"{repro_command(directory, self.plugins)}\n"
+            "# once fixed, pin it into the regression corpus:\n"
             f"{promote_command(directory)}\n")
         return directory
 

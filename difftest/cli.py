@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
+from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, repro_command
 from difftest.devices import DEVICE_CHOICES
 from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
+from difftest.registry import split_names
 
 EXIT_UNREADABLE = 2
 REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
@@ -36,7 +37,7 @@ def _add_session_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _backend_list(text: str | None) -> list[str] | None:
-    return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+    return None if text is None else split_names(text)
 
 
 def _report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
@@ -103,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ShardError as exc:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    _report_previous_crashes(args.artifacts, "difftest run")
+    earlier = _report_previous_crashes(args.artifacts, "difftest run")
     session = Session.create(_backend_list(args.backends), args.plugin, args.device,
                              args.artifacts, args.reference)
     case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(args.examples,
@@ -118,17 +119,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         for message in result.failure_messages():
             print(message, file=sys.stderr)
             if result.artifact:
-                print(f"  replay: difftest repro {result.artifact}", file=sys.stderr)
+                print(f"  replay: {repro_command(result.artifact, session.plugins)}",
+                      file=sys.stderr)
     config = session.config() | {"runner": "difftest run", "examples": args.examples,
                                  "seed": args.seed, "corpus": not args.no_corpus,
                                  "shard": str(shard) if shard else None}
     report = build_report(session.records, session.backend_entries(), config,
-                          session.environment)
+                          session.environment, earlier_crashes=earlier)
     print(summary(report))
     if args.report:
         write_report(args.report, report)
         print(f"report: {args.report}")
-    return 1 if any(r.failed for r in session.results) else 0
+    return 1 if earlier or any(r.failed for r in session.results) else 0
 
 
 def _load_replay_source(path: Path) -> tuple[Any, dict[str, Any] | None, dict[str, Any] | None]:
@@ -222,8 +224,12 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
     path = Path(args.path)
     case_file = path / "case.json" if path.is_dir() else path
-    written = promote(Case.from_json(case_file.read_text()), args.name,
-                      args.corpus or CORPUS_DIR)
+    try:
+        written = promote(Case.from_json(case_file.read_text()), args.name,
+                          args.corpus or CORPUS_DIR)
+    except ValueError as exc:  # the name, or a file that is no case
+        print(f"difftest promote: error: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
     print(f"pinned {written}")
     return 0
 
@@ -358,9 +364,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``difftest`` console script."""
+    """Entry point of the ``difftest`` console script.
+
+    Exit status: 0 all agreed (or the command succeeded), 1 a backend disagreed, errored or
+    crashed (or the gate failed), 2 the command could not run (bad arguments, unknown
+    backend, unreadable file); the message then names what was wrong.
+    """
+    from difftest.case import CaseError
+    from difftest.registry import RegistryError
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (RegistryError, CaseError, OSError, json.JSONDecodeError) as exc:
+        print(f"difftest {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
 
 
 if __name__ == "__main__":

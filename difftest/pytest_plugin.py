@@ -41,6 +41,7 @@ from difftest import devices, pinning
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, promote_command, repro_command
 from difftest.case import Case
 from difftest.fingerprint import fingerprint
+from difftest.registry import split_names
 from difftest.report import build_report, summary, write_report
 from difftest.runner import CaseResult
 from difftest.session import DEFAULT_REFERENCE, Session
@@ -176,11 +177,11 @@ def case_property(result: CaseResult) -> tuple[str, str]:
     return f"difftest:{result.case.case_id}", ";".join(parts)
 
 
-def failure_text(result: CaseResult) -> str:
+def failure_text(result: CaseResult, plugins: tuple[str, ...] = ()) -> str:
     """Every failing backend's message, then how to replay the case and pin it."""
     text = "\n\n".join(result.failure_messages())
     if result.artifact:
-        text += (f"\n\nreplay: {repro_command(Path(result.artifact))}"
+        text += (f"\n\nreplay: {repro_command(Path(result.artifact), plugins)}"
                  f"\npin it into the corpus once fixed: {promote_command(result.artifact)}")
     return text
 
@@ -224,7 +225,7 @@ class DifftestRun:
         if self._session is None:
             names = self.config.getoption("--difftest-backends")
             self._session = Session.create(
-                backend_names=None if names is None else [n for n in names.split(",") if n],
+                backend_names=None if names is None else split_names(names),
                 plugins=self.config.getoption("--difftest-plugin"),
                 device=self.config.getoption("--difftest-device"),
                 artifacts=self.config.getoption("--difftest-artifacts"),
@@ -252,7 +253,7 @@ class DifftestRun:
             self._item.user_properties.append(case_property(result))
         self._item_results.append(result)
         if result.failed:
-            pytest.fail(failure_text(result), pytrace=False)
+            pytest.fail(failure_text(result, session.plugins), pytrace=False)
         return result
 
     @pytest.hookimpl(wrapper=True)
@@ -277,7 +278,7 @@ class DifftestRun:
         report = yield
         if not (report.failed and report.when == "call" and call.excinfo is not None):
             return report
-        notes = [str(n) for n in getattr(call.excinfo.value, "__notes__", [])]
+        notes = [str(n) for n in getattr(call.excinfo.value, "__notes__", []) if str(n).strip()]
         if notes and notes[-1] not in report.longreprtext:
             report.sections.append(("Hypothesis", "\n".join(notes)))
         if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
@@ -340,29 +341,28 @@ class DifftestRun:
         lines = RunLog.read(self.run_dir)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         path = self.config.getoption("--difftest-report")
-        if not path and not any(line["kind"] == "case" for line in lines):
+        if self.earlier_crashes and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a crash found is a failure
+        if not (path or self.earlier_crashes or any(line["kind"] == "case" for line in lines)):
             return
         self.report = assemble_report(lines, {
             "runner": "pytest", "shard": str(self.shard) if self.shard else None,
             "hypothesis_profile": PROFILE}, xdist=self.role == "controller")
+        if self.earlier_crashes:
+            self.report["earlier_crashes"] = self.earlier_crashes
         if path:
             write_report(path, self.report)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Agreement matrix, cases per backend, worst cases, failures and crashes."""
-        if self.report is None and not self.earlier_crashes:
+        if self.report is None:
             return
         terminalreporter.write_sep("=", "difftest")
-        if self.report is not None:
-            for worker, entry in self.report.get("workers", {}).items():
-                terminalreporter.write_line(f"worker {worker} (pid {entry['pid']}): "
-                                            f"{pinning.describe(entry['gpu_env'])}, "
-                                            f"{entry['cases']} cases")
-            terminalreporter.write_line(summary(self.report))
-        artifacts = {record["case_id"]: record["artifact"] for record in self.earlier_crashes}
-        for case_id, artifact in sorted(artifacts.items()):
-            terminalreporter.write_line(f"CRASH case {case_id} (in an earlier run): "
-                                        f"replay with {repro_command(artifact)}")
+        for worker, entry in self.report.get("workers", {}).items():
+            terminalreporter.write_line(f"worker {worker} (pid {entry['pid']}): "
+                                        f"{pinning.describe(entry['gpu_env'])}, "
+                                        f"{entry['cases']} cases")
+        terminalreporter.write_line(summary(self.report))
         path = self.config.getoption("--difftest-report")
         if path:
             terminalreporter.write_line(f"difftest report: {path}")

@@ -49,8 +49,13 @@ def backend_entry(backend: Backend) -> dict[str, Any]:
 
 def build_report(records: list[dict[str, Any]], backends: dict[str, dict[str, Any]],
                  config: dict[str, Any], fingerprint: dict[str, Any],
-                 workers: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The report of ``records``; a case id seen twice keeps its last record."""
+                 workers: dict[str, dict[str, Any]] | None = None,
+                 earlier_crashes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The report of ``records``; a case id seen twice keeps its last record.
+
+    ``earlier_crashes`` are cases an earlier, dead process left pending, found at the start of
+    this run: failures to act on, but not part of this run's case set.
+    """
     by_id = {r["case_id"]: r for r in records}
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
@@ -62,6 +67,8 @@ def build_report(records: list[dict[str, Any]], backends: dict[str, dict[str, An
     }
     if workers is not None:
         report["workers"] = dict(sorted(workers.items()))
+    if earlier_crashes:
+        report["earlier_crashes"] = earlier_crashes
     return report
 
 
@@ -94,7 +101,7 @@ def status_matrix(cases: list[dict[str, Any]]) -> dict[str, Counter[str]]:
     return matrix
 
 
-def failure_lines(cases: list[dict[str, Any]]) -> list[str]:
+def failure_lines(cases: list[dict[str, Any]], plugins: tuple[str, ...] = ()) -> list[str]:
     """One line per failing case: what failed and the command that replays it."""
     lines = []
     for case in cases:
@@ -103,7 +110,8 @@ def failure_lines(cases: list[dict[str, Any]]) -> list[str]:
             continue
         label = "CRASH" if any(r["status"] == "crash" for r in failing) else "FAILED"
         what = ", ".join(f"{r['backend']} {r['status']}" for r in failing)
-        replay = (f"replay with {repro_command(case['artifact'])}" if case.get("artifact")
+        replay = (f"replay with {repro_command(case['artifact'], plugins)}"
+                  if case.get("artifact")
                   else "no artifact directory")
         lines.append(f"{label} case {case['case_id']} ({what}): {replay}")
     return lines
@@ -139,7 +147,10 @@ def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20) -> s
     for backend, entry in sorted(report["backends"].items()):
         if not entry["available"]:
             lines.append(f"unavailable: {backend}: {entry['reason']}")
-    failures = failure_lines(cases)
+    plugins = tuple(report.get("config", {}).get("plugins", ()))
+    failures = failure_lines(cases, plugins) + [
+        f"CRASH case {c['case_id']} (in an earlier run): replay with "
+        f"{repro_command(c['artifact'], plugins)}" for c in report.get("earlier_crashes", [])]
     if failures:
         lines += ["", *failures[:max_failures]]
         if len(failures) > max_failures:

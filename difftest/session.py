@@ -62,6 +62,7 @@ class Session:
     reference: Backend
     backends: list[Backend]
     store: ArtifactStore
+    plugins: tuple[str, ...] = ()
     results: list[CaseResult] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
 
@@ -75,6 +76,7 @@ class Session:
         reference: str = DEFAULT_REFERENCE,
     ) -> Session:
         """Resolve the device (preparing the CPU runtime first), then find the backends."""
+        plugins = tuple(plugins)
         resolved = devices.resolve(device)
         devices.prepare_runtime(resolved)
         known = registry.discover(plugins)
@@ -85,8 +87,8 @@ class Session:
         names = list(backend_names) if backend_names is not None else [
             n for n in sorted(known) if n != reference]
         chosen = registry.select(known, [n for n in names if n != reference])
-        store = ArtifactStore(artifacts, environment=fingerprint(resolved))
-        return cls(torch.device(resolved), ref, chosen, store)
+        store = ArtifactStore(artifacts, environment=fingerprint(resolved), plugins=plugins)
+        return cls(torch.device(resolved), ref, chosen, store, plugins)
 
     @property
     def environment(self) -> dict[str, Any]:
@@ -113,4 +115,5 @@ class Session:
             "device": str(self.device),
             "reference": self.reference.name,
             "backends": [b.name for b in self.backends],
+            "plugins": list(self.plugins),
         }

@@ -35,9 +35,13 @@ def test_run_reports_a_case_an_earlier_run_died_in(tmp_path: Path, capsys,
     root = tmp_path / "artifacts"
     pid = _die_in(root, TINY, ["torch-ref", "triton-unified"])
     assert [p.pid for p in ArtifactStore(root).crashed()] == [pid]
+    report = tmp_path / "report.json"
     code = cli.main(["run", "--no-corpus", "--examples", "0", "--backends", "triton-unified",
-                     "--device", device_name, "--artifacts", str(root)])
-    assert code == 0
+                     "--device", device_name, "--artifacts", str(root), "--report", str(report)])
+    assert code == 1  # the crash is a failure of this run, though not in its case set
+    written = json.loads(report.read_text())
+    assert written["cases"] == []
+    assert [c["case_id"] for c in written["earlier_crashes"]] == [TINY.case_id]
     directory = root / "failures" / TINY.case_id
     assert (f"CRASH case {TINY.case_id} (an earlier run died in it): replay with difftest "
             f"repro {directory}") in capsys.readouterr().err
@@ -110,3 +114,24 @@ def test_commands_need_their_arguments(command: str) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command])
     assert exit_info.value.code == 2
+
+
+def test_promote_creates_the_corpus_and_refuses_bad_input_with_exit_2(tmp_path: Path,
+                                                                      capsys) -> None:
+    case_file = tmp_path / "case.json"
+    case_file.write_text(TINY.to_json())
+    corpus = tmp_path / "new" / "corpus"
+    assert cli.main(["promote", str(case_file), "tiny", "--corpus", str(corpus)]) == 0
+    assert [c.case_id for c in load_corpus(corpus)] == [TINY.case_id]
+    assert cli.main(["promote", str(case_file), "bad name", "--corpus", str(corpus)]) == 2
+    assert "allowed letters, digits, '-', '_' and '.'" in capsys.readouterr().err
+    other = TINY.replace(seed=5).to_json()
+    case_file.write_text(other)
+    assert cli.main(["promote", str(case_file), "tiny", "--corpus", str(corpus)]) == 2
+    assert "already pins a different case" in capsys.readouterr().err
+
+
+def test_an_unknown_backend_exits_2_with_the_known_ones(capsys, device_name: str) -> None:
+    assert cli.main(["run", "--no-corpus", "--examples", "0", "--device", device_name,
+                     "--backends", "aiter-gluon@emulated[k_trim=sideways]"]) == 2
+    assert "k_trim='sideways' is not one of on, off, before-stride" in capsys.readouterr().err

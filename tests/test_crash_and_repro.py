@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -61,12 +62,13 @@ def test_tiny(seed, check_case):
 '''
 
 HYPOTHESIS_TEST = '''
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings, strategies as st, target
 from test_tiny import tiny
 
 @settings(max_examples=5)
 @given(seed=st.integers(1, 10**6))
 def test_generated(seed, check_case):
+    target(float(seed), label="as tests/test_differential.py targets error/tolerance")
     check_case(tiny(seed))
 '''
 
@@ -200,6 +202,7 @@ def test_hypothesis_failure_keeps_its_blob_and_drops_its_shrink_steps(project: P
                       "--difftest-report", "report.json")
     assert done.returncode == 1, done.stdout + done.stderr
     assert "@reproduce_failure(" in done.stdout and "Failing test case" in done.stdout
+    assert re.search(r"-{5,} Hypothesis -{5,}", done.stdout), done.stdout
     cases = json.loads((project / "report.json").read_text())["cases"]
     # The first failing example and the minimal one (Hypothesis shrinks the seed to 1).
     assert 1 <= len(cases) <= 2 and tiny(1).case_id in {c["case_id"] for c in cases}
