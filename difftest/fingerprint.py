@@ -130,8 +130,12 @@ def fingerprint(device: Any = None) -> dict[str, Any]:
         idx = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(idx)
         info["gpu_name"] = props.name
-        info["gpu_arch"] = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
-        info["gpu_pci_bus_id"] = getattr(props, "pci_bus_id", None)
+        # CUDA builds of torch also have gcnArchName, holding the device name.
+        hip = getattr(torch.version, "hip", None)
+        info["gpu_arch"] = (props.gcnArchName if hip else f"sm_{props.major}{props.minor}")
+        pci = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
+        info["gpu_pci_bus_id"] = (None if None in pci else
+                                  f"{pci[0]:04x}:{pci[1]:02x}:{pci[2]:02x}.0")
     return info
 
 
