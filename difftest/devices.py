@@ -79,14 +79,14 @@ def prepare_runtime(device: str) -> None:
     """Set the environment vLLM's Triton kernels need on ``device``; call before importing vLLM.
 
     On the CPU, Triton kernels run in the interpreter and vLLM must not see a CUDA device
-    (else it disables Triton for want of a driver). The interpreter's numpy warning about
-    0/0 on masked lanes (which the kernels discard) is silenced.
+    (else it disables Triton for want of a driver). The interpreter's numpy warnings on masked
+    lanes and empty rows (which the kernels discard) are silenced.
     """
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        warnings.filterwarnings("ignore", "invalid value encountered in divide",
-                                RuntimeWarning, "triton.runtime.interpreter")
+        warnings.filterwarnings("ignore", category=RuntimeWarning,
+                                module="triton.runtime.interpreter")
 
 
 def interpreted() -> bool:
