@@ -9,7 +9,8 @@ Every (case id, backend) of the baseline is judged against the candidate. The ga
 * a backend available in the baseline that is unavailable (or absent) in the candidate, and a
   case it supported that it no longer supports;
 * error/tolerance that grew more than ``max_ratio_growth`` times, where the candidate's
-  ratio is above ``ratio_floor`` (tiny ratios jitter without meaning anything).
+  ratio is above ``ratio_floor`` (tiny ratios jitter without meaning anything);
+* a crash an earlier process of the candidate left behind (``earlier_crashes``).
 
 Fixed cases and cases new in the candidate are listed but never fail the gate.
 """
@@ -97,6 +98,9 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
             findings.append(f"backend {name} is missing from the candidate")
         elif entry["available"] and not cand["available"]:
             findings.append(f"backend {name} became unavailable: {cand['reason']}")
+    for crash in candidate.get("earlier_crashes", []):
+        findings.append(f"case {crash['case_id']} crashed a process before the candidate's run "
+                        f"(replay with difftest repro {crash['artifact']})")
     cand_cases = {c["case_id"]: c for c in candidate["cases"]}
     base_ids = {c["case_id"] for c in baseline["cases"]}
     rows = []

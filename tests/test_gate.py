@@ -154,3 +154,13 @@ def test_unreadable_input_exits_2(tmp_path, capsys, baseline) -> None:
     assert cli.main(["gate", str(tmp_path / "baseline.json"), str(tmp_path / "broken.json")]) == 2
     assert "not JSON" in capsys.readouterr().err
     assert cli.main(["gate", str(tmp_path / "baseline.json"), str(tmp_path / "none.json")]) == 2
+
+
+def test_a_crash_left_by_an_earlier_candidate_process_fails(tmp_path, capsys, baseline) -> None:
+    candidate = copy.deepcopy(baseline)
+    candidate["earlier_crashes"] = [{"case_id": "0123456789abcdef",
+                                     "artifact": "difftest-artifacts/failures/0123456789abcdef"}]
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    assert ("FAIL case 0123456789abcdef crashed a process before the candidate's run (replay "
+            "with difftest repro difftest-artifacts/failures/0123456789abcdef)") in out
