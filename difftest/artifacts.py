@@ -77,6 +77,7 @@ class PendingCase:
     pid_domain: str
     running: str | None
     environment: dict[str, Any]
+    plugins: tuple[str, ...] = ()
 
 
 class ArtifactStore:
@@ -118,6 +119,7 @@ class ArtifactStore:
             "case": case.to_dict(), "backends": backends, "pid": os.getpid(),
             "host": platform.node(), "pid_domain": pid_domain(), "running": None,
             "environment": self.environment if self.environment is not None else fingerprint(),
+            "plugins": list(self.plugins),
         }
         return self._write_pending(case)
 
@@ -148,9 +150,10 @@ class ArtifactStore:
         self._pending_path(result.case).unlink(missing_ok=True)
         return artifact
 
-    def write_failure(self, case: Case, record: dict[str, Any],
-                      environment: dict[str, Any]) -> Path:
-        """``failures/<case_id>/`` with case.json, results.json, fingerprint.json, repro.txt."""
+    def write_failure(self, case: Case, record: dict[str, Any], environment: dict[str, Any],
+                      plugins: tuple[str, ...] | None = None) -> Path:
+        """``failures/<case_id>/`` with case.json, results.json, fingerprint.json, repro.txt;
+        the replay command names ``plugins`` (default: this store's)."""
         directory = self.failures_dir / case.case_id
         directory.mkdir(parents=True, exist_ok=True)
         record = record | {"artifact": str(directory)}
@@ -158,7 +161,7 @@ class ArtifactStore:
         (directory / "results.json").write_text(json.dumps(record, indent=1) + "\n")
         (directory / "fingerprint.json").write_text(json.dumps(environment, indent=1) + "\n")
         (directory / "repro.txt").write_text(
-            f"{repro_command(directory, self.plugins)}\n"
+            f"{repro_command(directory, self.plugins if plugins is None else plugins)}\n"
             "# once fixed, pin it into the regression corpus:\n"
             f"{promote_command(directory)}\n")
         return directory
@@ -176,7 +179,8 @@ class ArtifactStore:
             found.append(PendingCase(
                 path, Case.from_dict(payload["case"]), tuple(payload["backends"]),
                 int(payload["pid"]), payload.get("host", ""), payload.get("pid_domain", ""),
-                payload.get("running"), payload.get("environment") or {}))
+                payload.get("running"), payload.get("environment") or {},
+                tuple(payload.get("plugins", ()))))
         return found
 
     def crashed(self, pids: set[int] | None = None) -> list[PendingCase]:
@@ -212,8 +216,9 @@ class ArtifactStore:
             "timings": {},
             "artifact": str(directory),
             "unjudged": [n for n in under_test if n not in crashed],
+            "plugins": list(pending.plugins),
         }
-        self.write_failure(pending.case, record, pending.environment)
+        self.write_failure(pending.case, record, pending.environment, pending.plugins)
         pending.path.unlink(missing_ok=True)
         return record
 

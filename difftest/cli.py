@@ -47,7 +47,8 @@ def _report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
         records += store.recover_crashes(f"found by {found_by} after the process died")
     for record in records:
         print(f"CRASH case {record['case_id']} (an earlier run died in it): replay with "
-              f"difftest repro {record['artifact']}", file=sys.stderr)
+              f"{repro_command(record['artifact'], record.get('plugins', ()))}",
+              file=sys.stderr)
     return records
 
 
@@ -168,6 +169,27 @@ def _ratio_text(entry: dict[str, Any]) -> str:
     return f"{entry['comparison']['max_ratio']:.4g}" if entry.get("comparison") else "-"
 
 
+def _replay_backends(recorded: dict[str, Any], plugins: Sequence[str],
+                     reference: str) -> list[str]:
+    """Every installed backend, plus each recorded one this machine can build (a name with
+    options, or one from a plug-in given with ``--plugin``)."""
+    from difftest import registry
+
+    installed = [b.name for b in registry.entry_point_backends()]
+    known = registry.discover(plugins)
+    names = [n for n in sorted(installed) if n != reference]
+    for result in recorded.get("results", []):
+        name = result["backend"]
+        if name in names or name == reference:
+            continue
+        try:
+            registry.select(known, [name])
+        except registry.RegistryError:
+            continue  # listed as "not run" with the hint to load its plug-in
+        names.append(name)
+    return names
+
+
 def cmd_repro(args: argparse.Namespace) -> int:
     """Replay one case on the local backends and show what differs from the recording."""
     from difftest.report import build_report, write_report
@@ -180,7 +202,10 @@ def cmd_repro(args: argparse.Namespace) -> int:
         print(f"difftest repro: cannot read {path}: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     _report_previous_crashes(args.artifacts, "difftest repro")
-    session = Session.create(_backend_list(args.backends), args.plugin, args.device,
+    names = _backend_list(args.backends)
+    if names is None and recorded:
+        names = _replay_backends(recorded, args.plugin, args.reference)
+    session = Session.create(names, args.plugin, args.device,
                              str(Path(args.artifacts) / REPLAYS), args.reference)
     print(f"case {case.case_id} {case.name}".rstrip())
     if environment:
@@ -196,10 +221,10 @@ def cmd_repro(args: argparse.Namespace) -> int:
             verdict = ("not judged: the recorded run crashed first"
                        if entry["backend"] in (recorded or {}).get("unjudged", []) else "-")
         else:
-            same = (entry["output_sha256"] is not None
-                    and entry["output_sha256"] == was.get("output_sha256"))
-            verdict = (f"{was['status']} {_ratio_text(was)} {_short(was.get('output_sha256'))}: "
-                       + ("bit-identical" if same else "differs"))
+            now, then = entry["output_sha256"], was.get("output_sha256")
+            same = ("no output either time" if now is None and then is None
+                    else "bit-identical" if now == then else "differs")
+            verdict = f"{was['status']} {_ratio_text(was)} {_short(then)}: {same}"
         print(f"  {entry['backend']:<24} {entry['status']:<12} {_ratio_text(entry):<10} "
               f"{_short(entry['output_sha256']):<13} {verdict}")
     for name, was in sorted(recorded_results.items()):

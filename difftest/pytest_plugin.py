@@ -112,6 +112,19 @@ def _check_runner_mask(device: str) -> None:
         raise pytest.UsageError(f"difftest GPU pinning: {exc}") from exc
 
 
+def _check_backends(config: pytest.Config) -> None:
+    """Refuse unknown backends, bad options and broken plug-ins before any test runs."""
+    from difftest import registry
+
+    names = config.getoption("--difftest-backends")
+    try:
+        known = registry.discover(config.getoption("--difftest-plugin"))
+        registry.select(known, [config.getoption("--difftest-reference"),
+                                *(split_names(names) if names else [])])
+    except registry.RegistryError as exc:
+        raise pytest.UsageError(f"difftest: {exc}") from exc
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Pin a worker's GPU and prepare the CPU runtime before any test module imports vLLM."""
     shard = _shard(config)
@@ -135,6 +148,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _check_runner_mask(device)
     if role != "controller" and devices.resolve(device) == "cpu":
         devices.prepare_runtime("cpu")
+    if role != "worker":  # after the CPU runtime: a plug-in may import vLLM as it loads
+        _check_backends(config)
     config.pluginmanager.register(DifftestRun(config, role, shard, gpu_env), _PLUGIN_NAME)
 
 
@@ -457,7 +472,8 @@ class XdistController:
                                sched: Any) -> None:
         """Add the crashed case and its replay command to the test's failure."""
         worker = report.node.workerinput["workerid"]  # type: ignore[attr-defined]
-        lines = [f"CRASH case {r['case_id']}: replay with {repro_command(r['artifact'])}\n"
+        lines = [f"CRASH case {r['case_id']}: replay with "
+                 f"{repro_command(r['artifact'], r.get('plugins', ()))}\n"
                  + "\n".join(f"  {x['backend']}: {x['detail']}" for x in r["results"])
                  for r in self.crashes.get(worker, [])]
         if lines:

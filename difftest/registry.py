@@ -60,12 +60,17 @@ def load_plugin(spec: str) -> list[Backend]:
             raise RegistryError(f"--plugin {spec}: cannot import {path}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise RegistryError(f"--plugin {spec}: importing {path} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
     else:
         try:
             module = importlib.import_module(target)
-        except ImportError as exc:
-            raise RegistryError(f"--plugin {spec}: {exc}") from exc
+        except Exception as exc:  # ImportError, or whatever the module raises as it loads
+            raise RegistryError(f"--plugin {spec}: {type(exc).__name__}: {exc}") from exc
     obj = getattr(module, attr) if attr else module
     return _as_backends(obj, f"--plugin {spec}")
 

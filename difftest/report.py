@@ -150,7 +150,8 @@ def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20) -> s
     plugins = tuple(report.get("config", {}).get("plugins", ()))
     failures = failure_lines(cases, plugins) + [
         f"CRASH case {c['case_id']} (in an earlier run): replay with "
-        f"{repro_command(c['artifact'], plugins)}" for c in report.get("earlier_crashes", [])]
+        f"{repro_command(c['artifact'], c.get('plugins', ()))}"
+        for c in report.get("earlier_crashes", [])]
     if failures:
         lines += ["", *failures[:max_failures]]
         if len(failures) > max_failures:

@@ -135,3 +135,19 @@ def test_an_unknown_backend_exits_2_with_the_known_ones(capsys, device_name: str
     assert cli.main(["run", "--no-corpus", "--examples", "0", "--device", device_name,
                      "--backends", "aiter-gluon@emulated[k_trim=sideways]"]) == 2
     assert "k_trim='sideways' is not one of on, off, before-stride" in capsys.readouterr().err
+
+
+def test_repro_replays_a_recorded_backend_configured_by_its_name(tmp_path: Path, capsys,
+                                                                 device_name: str) -> None:
+    """A failure of ``aiter-gluon@emulated[k_trim=off]`` replays as printed, with no flags."""
+    case = {c.name: c for c in load_corpus(CORPUS_DIR)}["lbhnc-128-blocks-2048-2040-page-2039"]
+    backend = "aiter-gluon@emulated[k_trim=off]"
+    directory = ArtifactStore(tmp_path / "artifacts").write_failure(case, {
+        "case_id": case.case_id, "results": [{"backend": backend, "status": "error"}]}, {})
+    code = cli.main(["repro", str(directory), "--device", device_name,
+                     "--artifacts", str(tmp_path / "replays")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert f"  {backend} error" in out
+    assert "no output either time" in out
+    assert "key/value caches must have the same number of blocks" in out

@@ -54,3 +54,11 @@ def test_an_output_of_the_wrong_shape_is_an_error_not_a_lost_case() -> None:
     assert result.status is Status.ERROR
     assert "its output could not be compared" in result.detail
     assert "returned shape (1, 16, 128), expected (2, 16, 128)" in result.detail
+
+
+def test_a_plugin_that_fails_to_import_is_a_registry_error(tmp_path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("import nosuchdep\n")
+    with pytest.raises(RegistryError, match=r"importing .*broken.py failed: "
+                                            r"ModuleNotFoundError: No module named 'nosuchdep'"):
+        discover([str(broken)])
