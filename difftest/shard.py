@@ -133,6 +133,9 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         "cases": [cases[k] for k in sorted(cases)],
         "merged_from": merged_from,
     }
+    crashes = [c for _, report in reports for c in report.get("earlier_crashes", [])]
+    if crashes:  # failures of the shards' machines; the gate must still see them
+        merged["earlier_crashes"] = crashes
     return merged, warnings
 
 

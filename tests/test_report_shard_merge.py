@@ -203,3 +203,13 @@ def test_pytest_rejects_a_bad_shard(tmp_path: Path) -> None:
     done = _pytest(tmp_path, "--difftest-shard", "3/2")
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert "--difftest-shard 3/2: K must be 1..N and N >= 1 (got K=3, N=2)" in done.stderr
+
+
+def test_merge_keeps_every_shards_earlier_crashes(shard_reports) -> None:
+    _, parts, _ = shard_reports
+    reports = [(str(p), read_report(p)) for p in parts]
+    reports[1][1]["earlier_crashes"] = [{"case_id": "00000000000000aa", "artifact": "a"}]
+    reports[3][1]["earlier_crashes"] = [{"case_id": "00000000000000bb", "artifact": "b"}]
+    merged, _ = merge_reports(reports)
+    assert [c["case_id"] for c in merged["earlier_crashes"]] == [
+        "00000000000000aa", "00000000000000bb"]
