@@ -146,21 +146,7 @@ def test_runner_mask_and_describe() -> None:
 
 # ----- a real pytest -n 4 ------------------------------------------------------------------
 
-PLUGIN = '''
-"""A fast plug-in backend: the float64 reference rounded to float16."""
-import torch
-from backends.torch_ref import TorchReference
-from difftest.backend import Precision
-
-class Rounded(TorchReference):
-    name = "rounded"
-    def precision(self, case, device):
-        return Precision("float16", "float16", "float16")
-    def run(self, inputs):
-        return self.reference(inputs).output.to(torch.float16)
-
-DIFFTEST_BACKENDS = [Rounded]
-'''
+PLUGIN = (Path(__file__).parent / "fake_backends.py").read_text()
 
 TESTS = '''
 import json, os, pytest

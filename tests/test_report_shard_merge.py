@@ -131,20 +131,7 @@ def test_report_entries_carry_features_and_output_digests(shard_reports) -> None
 
 # ----- --difftest-shard in pytest ------------------------------------------------------------
 
-PLUGIN = '''
-import torch
-from backends.torch_ref import TorchReference
-from difftest.backend import Precision
-
-class Rounded(TorchReference):
-    name = "rounded"
-    def precision(self, case, device):
-        return Precision("float16", "float16", "float16")
-    def run(self, inputs):
-        return self.reference(inputs).output.to(torch.float16)
-
-DIFFTEST_BACKENDS = [Rounded]
-'''
+PLUGIN = (Path(__file__).parent / "fake_backends.py").read_text()
 
 TESTS = '''
 import pytest
