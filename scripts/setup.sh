@@ -14,6 +14,13 @@ if [ ! -x .venv/bin/python ]; then
   if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     echo "setup: reusing the preinstalled torch of $PYTHON (venv with system site-packages)"
     "$PYTHON" -m venv --system-site-packages .venv
+    # A venv's python hands a new venv its base interpreter's packages, not its own: point
+    # .venv at that venv's site-packages too, so its torch (ROCm, CUDA) is the one used.
+    parent=$("$PYTHON" -c "import site, sys; print(site.getsitepackages()[0] if sys.prefix != sys.base_prefix else '')")
+    if [ -n "$parent" ]; then
+      purelib=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+      echo "$parent" > "$purelib/_difftest_parent_env.pth"
+    fi
   else
     "$PYTHON" -m venv .venv
   fi
