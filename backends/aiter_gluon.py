@@ -268,40 +268,66 @@ EMULATED_OPTIONS = OptionSpec("aiter-gluon@emulated", {
 })
 
 
-class AiterGluon:
-    """The adapter to the real ``pa_decode_gluon`` or, ``emulated``, to the emulator."""
+class GluonCaller:
+    """What every caller of ``pa_decode_gluon`` shares: the real kernel or, ``emulated``, the
+    emulator; the options in its name; the capabilities and precision AITER's kernel has."""
 
     in_page_orders = ("shuffled",)
+    real_options: OptionSpec
+    emulated_options: OptionSpec
 
     def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
         self.emulated = emulated
-        spec = EMULATED_OPTIONS if emulated else REAL_OPTIONS
+        spec = self.emulated_options if emulated else self.real_options
         self.options = spec.parse(options or {})
         self.name = spec.name(self.options)
 
-    def with_options(self, options: Mapping[str, str]) -> AiterGluon:
+    def with_options(self, options: Mapping[str, str]) -> GluonCaller:
         """The same backend configured by ``options`` (relative to the defaults)."""
-        return AiterGluon(self.emulated, options)
-
-    @property
-    def _splits(self) -> int | None:
-        value = self.options["splits"]
-        return None if value == "auto" else int(value)
-
-    def _emulator(self, case: Case) -> GluonEmulator:
-        return make_emulator(self.options["revision"], emulated_arch(case))
-
-    def availability(self) -> Availability:
-        """Emulated: always. Real: see :func:`aiter_availability`."""
-        return Availability(True) if self.emulated else aiter_availability()
+        return type(self)(self.emulated, options)
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """fp32 queries; on real AITER also a CPU device or a non-native fp8 flavour."""
         return gluon_unsupported(case, device, self.emulated)
 
     def precision(self, case: Case, device: torch.device) -> Precision:
-        """See :func:`gluon_precision`."""
+        """See :func:`gluon_precision` (the output buffer is bf16 for fp8, else the query's)."""
         return gluon_precision(case)
+
+    def _emulator(self, case: Case) -> GluonEmulator:
+        return make_emulator(self.options["revision"], emulated_arch(case))
+
+    def _recommended_splits(self, case: Case) -> Callable[[int, int], int]:
+        if self.emulated:
+            return self._emulator(case).get_recommended_splits
+        from aiter.ops.triton.gluon.pa_decode_gluon import get_recommended_splits
+
+        return get_recommended_splits
+
+    def _kernel_versions(self) -> dict[str, str]:
+        """What ran: AITER's version and commit, or the emulator's revision."""
+        if not self.emulated:
+            return {"kernel": "AITER pa_decode_gluon", **aiter_versions()}
+        revision = REVISIONS[self.options["revision"]]
+        return {"kernel": "pa_decode_gluon contract emulator (pure torch), not AITER",
+                "emulator_revision": revision.name, "emulated_aiter": revision.aiter_versions,
+                "emulated_arch": EMULATED_ARCH}
+
+
+class AiterGluon(GluonCaller):
+    """The adapter to the real ``pa_decode_gluon`` or, ``emulated``, to the emulator."""
+
+    real_options = REAL_OPTIONS
+    emulated_options = EMULATED_OPTIONS
+
+    @property
+    def _splits(self) -> int | None:
+        value = self.options["splits"]
+        return None if value == "auto" else int(value)
+
+    def availability(self) -> Availability:
+        """Emulated: always. Real: see :func:`aiter_availability`."""
+        return Availability(True) if self.emulated else aiter_availability()
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
         """From the partition count this adapter passes (see :func:`gluon_empty_rows`)."""
@@ -311,13 +337,6 @@ class AiterGluon:
             splits = self._recommended_splits(case)(seqs, 1)
         return gluon_empty_rows(splits, self.emulated)
 
-    def _recommended_splits(self, case: Case) -> Callable[[int, int], int]:
-        if self.emulated:
-            return self._emulator(case).get_recommended_splits
-        from aiter.ops.triton.gluon.pa_decode_gluon import get_recommended_splits
-
-        return get_recommended_splits
-
     def versions(self) -> dict[str, str]:
         """The exact configuration, and what ran: AITER's version and commit, or the
         emulator's revision."""
@@ -326,13 +345,8 @@ class AiterGluon:
         versions = {"k_trim": self.options["k_trim"], "scales": self.options["scales"],
                     "splits": self.options["splits"], "torch": torch.__version__,
                     "triton": triton.__version__}
-        if not self.emulated:
-            return {"kernel": "AITER pa_decode_gluon", **aiter_versions(), **versions}
-        revision = REVISIONS[self.options["revision"]]
-        return {"kernel": "pa_decode_gluon contract emulator (pure torch), not AITER",
-                "emulator_revision": revision.name, "emulated_aiter": revision.aiter_versions,
-                "emulated_arch": EMULATED_ARCH, "emulated_cus": str(DEFAULT_NUM_CUS),
-                **versions}
+        emulated = {"emulated_cus": str(DEFAULT_NUM_CUS)} if self.emulated else {}
+        return {**self._kernel_versions(), **emulated, **versions}
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``pa_decode_gluon`` call over every query row."""

@@ -17,22 +17,17 @@ flavour as for ``aiter-gluon@emulated``. Declared capabilities are those of
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 
 from backends.aiter_gluon import (
-    EMULATED_ARCH,
     EMULATED_OPTIONS,
+    GluonCaller,
     OptionSpec,
     aiter_availability,
-    aiter_versions,
     emulated_arch,
     gluon_empty_rows,
-    gluon_precision,
-    gluon_unsupported,
 )
-from backends.pa_decode_gluon_emulator import REVISIONS, installed_as_aiter, make_emulator
+from backends.pa_decode_gluon_emulator import installed_as_aiter
 from backends.vllm_imports import (
     import_minimax_m3,
     minimax_m3_loading,
@@ -40,7 +35,7 @@ from backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 
@@ -49,21 +44,12 @@ EMULATED_VLLM_OPTIONS = OptionSpec("vllm-aiter@emulated",
                                    {"revision": EMULATED_OPTIONS.choices["revision"]})
 
 
-class VllmAiter:
+class VllmAiter(GluonCaller):
     """vLLM's ``minimax_m3_sparse_attn_decode_aiter`` on real AITER or, ``emulated``, on the
     ``pa_decode_gluon`` emulator."""
 
-    in_page_orders = ("shuffled",)
-
-    def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
-        self.emulated = emulated
-        spec = EMULATED_VLLM_OPTIONS if emulated else REAL_OPTIONS
-        self.options = spec.parse(options or {})
-        self.name = spec.name(self.options)
-
-    def with_options(self, options: Mapping[str, str]) -> VllmAiter:
-        """The same backend configured by ``options`` (relative to the defaults)."""
-        return VllmAiter(self.emulated, options)
+    real_options = REAL_OPTIONS
+    emulated_options = EMULATED_VLLM_OPTIONS
 
     def availability(self) -> Availability:
         """vLLM's Triton builder must run here; real AITER besides unless emulated."""
@@ -72,23 +58,10 @@ class VllmAiter:
             return triton
         return aiter_availability()
 
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """As ``aiter-gluon``: fp32 queries; on real AITER a CPU device or foreign fp8."""
-        return gluon_unsupported(case, device, self.emulated)
-
-    def precision(self, case: Case, device: torch.device) -> Precision:
-        """As ``aiter-gluon`` (the output buffer is the query dtype, as in vLLM)."""
-        return gluon_precision(case)
-
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
         """From the splits vLLM asks for (``get_recommended_splits(total_q, 1)``)."""
         seqs = case.total_q * case.num_kv_heads
-        if self.emulated:
-            emulator = make_emulator(self.options["revision"], emulated_arch(case))
-            return gluon_empty_rows(emulator.get_recommended_splits(seqs, 1), emulated=True)
-        from aiter.ops.triton.gluon.pa_decode_gluon import get_recommended_splits
-
-        return gluon_empty_rows(get_recommended_splits(seqs, 1), emulated=False)
+        return gluon_empty_rows(self._recommended_splits(case)(seqs, 1), self.emulated)
 
     def versions(self) -> dict[str, str]:
         """vLLM's version, path and how its kernel modules were loaded; AITER's version and
@@ -99,12 +72,7 @@ class VllmAiter:
         versions = {"vllm": vllm_version(), "vllm_path": vllm_location(),
                     "vllm_loading": minimax_m3_loading(), "torch": torch.__version__,
                     "triton": triton.__version__}
-        if not self.emulated:
-            return {"kernel": "AITER pa_decode_gluon", **aiter_versions(), **versions}
-        revision = REVISIONS[self.options["revision"]]
-        return {"kernel": "pa_decode_gluon contract emulator (pure torch), not AITER",
-                "emulator_revision": revision.name, "emulated_aiter": revision.aiter_versions,
-                "emulated_arch": EMULATED_ARCH, **versions}
+        return {**self._kernel_versions(), **versions}
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """``minimax_m3_sparse_attn_decode_aiter`` over every query row."""
