@@ -17,7 +17,7 @@ the output dtype, and the K-trim:
 ``aiter-gluon`` calls the real kernel (ROCm GPU with AITER only); ``aiter-gluon@emulated``
 calls :mod:`backends.pa_decode_gluon_emulator` on any machine, emulating gfx942 for
 e4m3fnuz KV and gfx950 otherwise. Options, given in the name as ``base[key=value,...]``
-(see :class:`OptionSpec`; docs/rocm.md):
+(see :class:`difftest.registry.OptionSpec`; docs/rocm.md):
 
 * ``k_trim``: ``on`` (default); ``off`` (K passed untrimmed); ``before-stride`` (the pitfall:
   K trimmed before the packing test, so the stride silently becomes 8 and wrong pages are
@@ -53,6 +53,7 @@ from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.fingerprint import aiter_commit
+from difftest.registry import OptionSpec
 
 GLUON_MODULE = "aiter.ops.triton.gluon.pa_decode_gluon"
 PAGES_PER_SIDE = 8
@@ -60,35 +61,6 @@ CONTEXT_PARTITION_SIZE = 256
 K_TRIM_MODES = ("on", "off", "before-stride")
 SPLITS = ("auto", *(str(s) for s in range(1, 9)))
 EMULATED_ARCH = "gfx942 for float8_e4m3fnuz KV, gfx950 otherwise"
-
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """The options a backend accepts in its name, ``base[key=value,...]``.
-
-    ``choices[key]`` lists the allowed values, the default first. The canonical name lists the
-    options that differ from their defaults, sorted by key, so a report's backend name states
-    the exact configuration.
-    """
-
-    base: str
-    choices: Mapping[str, tuple[str, ...]]
-
-    def parse(self, options: Mapping[str, str]) -> dict[str, str]:
-        """Every option, defaults filled in; ``ValueError`` naming an unknown key or value."""
-        for key, value in options.items():
-            if key not in self.choices:
-                known = ", ".join(sorted(self.choices)) or "none"
-                raise ValueError(f"{self.base}: unknown option {key!r} (options: {known})")
-            if value not in self.choices[key]:
-                raise ValueError(f"{self.base}: {key}={value!r} is not one of "
-                                 f"{', '.join(self.choices[key])}")
-        return {key: options.get(key, allowed[0]) for key, allowed in self.choices.items()}
-
-    def name(self, values: Mapping[str, str]) -> str:
-        """``base`` plus the non-default options."""
-        changed = [f"{k}={values[k]}" for k in sorted(values) if values[k] != self.choices[k][0]]
-        return f"{self.base}[{','.join(changed)}]" if changed else self.base
 
 
 @lru_cache(maxsize=1)

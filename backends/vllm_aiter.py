@@ -22,7 +22,6 @@ import torch
 from backends.aiter_gluon import (
     EMULATED_OPTIONS,
     GluonCaller,
-    OptionSpec,
     aiter_availability,
     emulated_arch,
     gluon_empty_rows,
@@ -38,6 +37,7 @@ from backends.vllm_imports import (
 from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
+from difftest.registry import OptionSpec
 
 REAL_OPTIONS = OptionSpec("vllm-aiter", {})
 EMULATED_VLLM_OPTIONS = OptionSpec("vllm-aiter@emulated",

@@ -29,7 +29,6 @@ from collections.abc import Mapping
 
 import torch
 
-from backends.aiter_gluon import OptionSpec
 from backends.vllm_imports import (
     import_minimax_m3,
     minimax_m3_loading,
@@ -42,6 +41,7 @@ from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
+from difftest.registry import OptionSpec
 from difftest.sparse_table import selection_is_canonical
 
 IRREGULAR_FINDING = (

@@ -14,7 +14,8 @@ import importlib.metadata
 import importlib.util
 import inspect
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -97,6 +98,35 @@ def discover(plugins: Iterable[str] = ()) -> dict[str, Backend]:
                 raise RegistryError(f"two backends are named {backend.name!r}")
             backends[backend.name] = backend
     return backends
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """The options a backend accepts in its name, ``base[key=value,...]``.
+
+    ``choices[key]`` lists the allowed values, the default first. The canonical name lists the
+    options that differ from their defaults, sorted by key, so a report's backend name states
+    the exact configuration.
+    """
+
+    base: str
+    choices: Mapping[str, tuple[str, ...]]
+
+    def parse(self, options: Mapping[str, str]) -> dict[str, str]:
+        """Every option, defaults filled in; ``ValueError`` naming an unknown key or value."""
+        for key, value in options.items():
+            if key not in self.choices:
+                known = ", ".join(sorted(self.choices)) or "none"
+                raise ValueError(f"{self.base}: unknown option {key!r} (options: {known})")
+            if value not in self.choices[key]:
+                raise ValueError(f"{self.base}: {key}={value!r} is not one of "
+                                 f"{', '.join(self.choices[key])}")
+        return {key: options.get(key, allowed[0]) for key, allowed in self.choices.items()}
+
+    def name(self, values: Mapping[str, str]) -> str:
+        """``base`` plus the non-default options (what :func:`parse_name` reads back)."""
+        changed = [f"{k}={values[k]}" for k in sorted(values) if values[k] != self.choices[k][0]]
+        return f"{self.base}[{','.join(changed)}]" if changed else self.base
 
 
 def split_names(text: str) -> list[str]:
