@@ -1,4 +1,4 @@
-"""Names of the dtypes a case may use, their torch types and their unit roundoff."""
+"""Names of the dtypes a case may use, their torch types, unit roundoff and underflow."""
 
 from __future__ import annotations
 
@@ -48,3 +48,11 @@ def finite_max(name: str) -> float:
 def unit_roundoff(name: str) -> float:
     """Unit roundoff of the dtype called ``name``."""
     return UNIT_ROUNDOFF[name]
+
+
+def underflow_unit(name: str) -> float:
+    """Half the smallest subnormal of the dtype called ``name``: the absolute error of
+    rounding a value below its normal range (Higham 2002, thm. 2.3, ``fl(x) = x(1+d) + e``,
+    ``|e| <= this``). ``tfloat32`` has float32's exponent range."""
+    info = torch.finfo(torch_dtype("float32" if name == "tfloat32" else name))
+    return float(info.smallest_normal * info.eps) / 2

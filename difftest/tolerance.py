@@ -11,12 +11,15 @@ unit roundoff ``u``:
   ``2 u_op * ||q o k_i||_2 * softmax_scale`` (the probabilistic bound of Higham & Mary for a
   length-D product, at ``LOGIT_SIGMAS`` standard deviations), which moves each probability by
   at most twice that, relatively;
-* storing the output rounds it by ``u_out * |o|``.
+* storing the output rounds it by ``u_out * |o| + eta_out``, where ``eta_out`` is half the
+  output dtype's smallest subnormal: an output below the normal range (fp16 below 6.1e-5)
+  keeps only an absolute accuracy, and one below ``eta_out`` rounds to zero.
 
 The tolerance of element ``e`` is ``FACTOR`` times that sum. It never depends on sequence
 length (the accumulation is fp32 and the data is zero-mean), and it needs no atol floor
-because ``sum_i p_i |v_i| > 0`` on every attended row. The reference dequantises the very
-values the kernel reads, so fp8 storage error cancels and is not in the budget.
+beyond ``eta_out`` because ``sum_i p_i |v_i| > 0`` on every attended row. The reference
+dequantises the very values the kernel reads, so fp8 storage error cancels and is not in
+the budget.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from difftest.backend import Precision
-from difftest.dtypes import unit_roundoff
+from difftest.dtypes import underflow_unit, unit_roundoff
 
 FACTOR = 3.0
 LOGIT_SIGMAS = 3.0
@@ -61,7 +64,8 @@ class Tolerance:
         u_out = unit_roundoff(self.precision.output)
         logit_err = 2 * u_op * LOGIT_SIGMAS * reference.logit_magnitude
         weight_err = u_p + u_op + 2 * logit_err[..., None]
-        budget = weight_err * reference.abs_output + u_out * reference.output.abs()
+        budget = (weight_err * reference.abs_output + u_out * reference.output.abs()
+                  + underflow_unit(self.precision.output))
         return self.factor * budget
 
     def describe(self) -> str:
