@@ -15,7 +15,7 @@ the output dtype, and the K-trim:
   sized from the trimmed count.
 
 ``aiter-gluon`` calls the real kernel (ROCm GPU with AITER only); ``aiter-gluon@emulated``
-calls :mod:`backends.pa_decode_gluon_emulator` on any machine, emulating gfx942 for
+calls :mod:`difftest.backends.pa_decode_gluon_emulator` on any machine, emulating gfx942 for
 e4m3fnuz KV and gfx950 otherwise. Options, given in the name as ``base[key=value,...]``
 (see :class:`difftest.registry.OptionSpec`; docs/rocm.md):
 
@@ -40,14 +40,14 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-
-from backends.pa_decode_gluon_emulator import (
+from difftest.backends.pa_decode_gluon_emulator import (
     DEFAULT_NUM_CUS,
     DEFAULT_REVISION,
     REVISIONS,
     GluonEmulator,
     make_emulator,
 )
+
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case

@@ -9,8 +9,8 @@ with ``KVQuantMode.FP8_PER_TENSOR``. Native on a GPU; on the CPU under ``TRITON_
 from __future__ import annotations
 
 import torch
+from difftest.backends.vllm_imports import triton_availability, triton_precision
 
-from backends.vllm_imports import triton_availability, triton_precision
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
@@ -59,8 +59,7 @@ class TritonUnifiedAttention:
     def versions(self) -> dict[str, str]:
         """vLLM and Triton versions, and whether Triton is interpreted."""
         import triton
-
-        from backends.vllm_imports import vllm_version
+        from difftest.backends.vllm_imports import vllm_version
 
         return {"vllm": vllm_version(), "triton": triton.__version__,
                 "triton_interpret": str(devices.interpreted())}

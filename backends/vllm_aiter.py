@@ -8,32 +8,32 @@ selections and 0-d fp32 scales for fp8 KV. Nothing of vLLM is re-implemented, so
 integration the fix patched is what runs, and the report names the vLLM version and path.
 
 ``vllm-aiter`` needs a ROCm GPU with AITER. ``vllm-aiter@emulated`` runs the same vLLM code
-inside :func:`backends.pa_decode_gluon_emulator.installed_as_aiter`, on any machine (the
+inside :func:`difftest.backends.pa_decode_gluon_emulator.installed_as_aiter`, on any machine (the
 builder runs under the Triton interpreter on CPUs); option ``revision`` picks the emulated
 contract (``vllm-aiter@emulated[revision=v0.1.20]``), and the arch follows the case's fp8
 flavour as for ``aiter-gluon@emulated``. Declared capabilities are those of
-:mod:`backends.aiter_gluon`.
+:mod:`difftest.backends.aiter_gluon`.
 """
 
 from __future__ import annotations
 
 import torch
-
-from backends.aiter_gluon import (
+from difftest.backends.aiter_gluon import (
     EMULATED_OPTIONS,
     GluonCaller,
     aiter_availability,
     emulated_arch,
     gluon_empty_rows,
 )
-from backends.pa_decode_gluon_emulator import installed_as_aiter
-from backends.vllm_imports import (
+from difftest.backends.pa_decode_gluon_emulator import installed_as_aiter
+from difftest.backends.vllm_imports import (
     import_minimax_m3,
     minimax_m3_loading,
     triton_availability,
     vllm_location,
     vllm_version,
 )
+
 from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype

@@ -28,8 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-
-from backends.vllm_imports import (
+from difftest.backends.vllm_imports import (
     import_minimax_m3,
     minimax_m3_loading,
     triton_availability,
@@ -37,6 +36,7 @@ from backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
+
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case

@@ -6,10 +6,10 @@
 
 For every mutant of :mod:`mutants.catalog`:
 
-* **ours**: a Hypothesis run of :func:`cases.strategies.cases` (fixed seed, no database)
+* **ours**: a Hypothesis run of :func:`difftest.cases.strategies.cases` (fixed seed, no database)
   that raises on the first kill; Hypothesis then shrinks the killing case within a budget of
   kernel runs, and the shrunk case's size is reported;
-* **baselines**: the peers' grids of :mod:`mutants.baseline`, in their order, up to a cap.
+* **baselines**: the peers' grids of :mod:`difftest.cases.baseline`, in their order, up to a cap.
 
 A kill is the engine's verdict (:func:`difftest.runner.run_case` against ``torch-ref``):
 DISAGREE, ERROR or CRASH. A case on which the mutation provably changes nothing the kernel
@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from difftest.cases.baseline import AITER_BATCH_SIZES, BASELINES
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
@@ -51,7 +52,6 @@ from difftest import devices
 from difftest.case import Case
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.runner import FAILING, Status, run_case
-from mutants.baseline import AITER_BATCH_SIZES, BASELINES
 
 CATALOG = "mutants.catalog"
 FALSE_POSITIVE_BACKENDS = ("triton-unified", "aiter-gluon@emulated")
@@ -125,7 +125,7 @@ def _catalog() -> dict[str, Any]:
 
 
 def _reference() -> Any:
-    from backends.torch_ref import TorchReference
+    from difftest.backends.torch_ref import TorchReference
 
     return TorchReference()
 
@@ -248,7 +248,7 @@ def walk(mutants: Sequence[Any], grid: Iterable[Case], generator: str, device: t
 
 
 def _hunt_task(name: str, device: str, limits: Limits) -> Outcome:
-    from cases.strategies import cases
+    from difftest.cases.strategies import cases
 
     mutant = _catalog()[name]
     dev = torch.device(device)
@@ -323,8 +323,9 @@ def _stretch_task(chunk: Sequence[Case], names: Sequence[str], device: str) -> S
 
 def stretch_cases(device: torch.device, limits: Limits) -> list[Case]:
     """The derandomized false-positive stretch: small geometry, every supported dtype."""
-    from cases.generate import generated_cases
-    from cases.strategies import cases
+    from difftest.cases.generate import generated_cases
+    from difftest.cases.strategies import cases
+
     from difftest.registry import discover, select
 
     queries: set[str] = set()
@@ -374,8 +375,7 @@ def machine(device: str, workers: int) -> dict[str, Any]:
     """Where and with what the benchmark ran."""
     import hypothesis
     import triton
-
-    from backends.vllm_imports import vllm_version
+    from difftest.backends.vllm_imports import vllm_version
 
     return {"device": device, "nproc": os.cpu_count(), "workers": workers,
             "processor": platform.processor(), "platform": platform.platform(),

@@ -6,11 +6,11 @@ every report), so two runners, or a baseline and a candidate image, see the same
 
 from __future__ import annotations
 
+from difftest.cases.strategies import cases
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from cases.strategies import cases
 from difftest.case import Case
 
 

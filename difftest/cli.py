@@ -94,8 +94,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
-    from cases.corpus import load_corpus
-    from cases.generate import generated_cases
+    from difftest.cases.corpus import load_corpus
+    from difftest.cases.generate import generated_cases
     from difftest.report import build_report, summary, write_report
     from difftest.session import Session
     from difftest.shard import Shard, ShardError
@@ -244,8 +244,8 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Pin a case (case JSON or artifact directory) into the regression corpus."""
-    from cases.corpus import CORPUS_DIR, promote
     from difftest.case import Case
+    from difftest.cases.corpus import CORPUS_DIR, promote
 
     path = Path(args.path)
     case_file = path / "case.json" if path.is_dir() else path

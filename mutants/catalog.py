@@ -17,9 +17,9 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
+from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
+from difftest.backends.triton_unified import TritonUnifiedAttention
 
-from backends.aiter_gluon import AiterGluon, renumber_pages
-from backends.triton_unified import TritonUnifiedAttention
 from difftest.backend import Backend, Precision
 from difftest.case import Case
 from difftest.layouts import CacheViews

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 import torch
+from difftest.backends.torch_ref import TorchReference
 
-from backends.torch_ref import TorchReference
 from difftest.backend import Precision, RunInputs
 from difftest.case import Case
 

@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
-
-from backends.aiter_gluon import (
+from difftest.backends.aiter_gluon import (
     EMULATED_OPTIONS,
     AiterGluon,
     aiter_availability,
     gluon_arguments,
     prepare_views,
 )
-from backends.pa_decode_gluon_emulator import DEFAULT_REVISION, make_emulator
-from backends.torch_ref import TorchReference
-from cases.corpus import load_corpus
-from cases.strategies import cases
+from difftest.backends.pa_decode_gluon_emulator import DEFAULT_REVISION, make_emulator
+from difftest.backends.torch_ref import TorchReference
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
+from hypothesis import assume, given, settings
+
 from difftest import cli, registry
 from difftest.backend import EmptyRowOutput, RunInputs
 from difftest.case import Case

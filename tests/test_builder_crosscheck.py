@@ -15,10 +15,10 @@ from unittest import mock
 
 import pytest
 import torch
+from difftest.backends.vllm_imports import import_minimax_m3
+from difftest.cases.strategies import cases
 from hypothesis import example, given, settings
 
-from backends.vllm_imports import import_minimax_m3
-from cases.strategies import cases
 from difftest.backend import RunInputs
 from difftest.case import Case
 from difftest.sparse_table import build_rows, page_table

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from difftest.cases.corpus import load_corpus
 
-from cases.corpus import load_corpus
 from difftest.case import Case, CaseError
 
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from difftest.cases.corpus import CORPUS_DIR, load_corpus
 
-from cases.corpus import CORPUS_DIR, load_corpus
 from difftest import cli
 from difftest.artifacts import ArtifactStore
 from difftest.case import Case

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.triton_unified import TritonUnifiedAttention
+from difftest.cases.corpus import load_corpus
 
-from backends.torch_ref import TorchReference
-from backends.triton_unified import TritonUnifiedAttention
-from cases.corpus import load_corpus
 from difftest.case import Case
 from difftest.compare import Comparison
 from difftest.runner import Status, run_case

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from difftest.cases.corpus import load_corpus
 
-from cases.corpus import load_corpus
 from difftest.backend import RunInputs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")

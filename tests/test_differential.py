@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
 from hypothesis import given, target
 
-from cases.corpus import load_corpus
-from cases.strategies import cases
 from difftest.case import Case
 
 CORPUS = load_corpus()

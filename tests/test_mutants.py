@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from difftest.backends.torch_ref import TorchReference
+from difftest.cases.generate import generated_cases
+from difftest.cases.strategies import SELECTION_MODES, cases
 from hypothesis import strategies as st
 
-from backends.torch_ref import TorchReference
 from benchmarks.mutation_benchmark import FULL, hunt, supported_dtypes
-from cases.generate import generated_cases
-from cases.strategies import SELECTION_MODES, cases
 from difftest.backend import RunInputs
 from difftest.case import Case
 from difftest.registry import load_plugin

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from backends.pa_decode_gluon_emulator import (
+from difftest.backends.pa_decode_gluon_emulator import (
     DEFAULT_REVISION,
     REVISIONS,
     ContractRevision,

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from difftest.cases.corpus import load_corpus
+from difftest.cases.generate import generated_cases
 
-from cases.corpus import load_corpus
-from cases.generate import generated_cases
 from difftest import cli
 from difftest.case import Case
 from difftest.report import REPORT_SCHEMA, ReportError, read_report

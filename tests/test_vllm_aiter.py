@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from difftest.backends.aiter_gluon import aiter_availability
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.vllm_aiter import VllmAiter
+from difftest.backends.vllm_imports import vllm_version
+from difftest.cases.corpus import load_corpus
 
-from backends.aiter_gluon import aiter_availability
-from backends.torch_ref import TorchReference
-from backends.vllm_aiter import VllmAiter
-from backends.vllm_imports import vllm_version
-from cases.corpus import load_corpus
 from difftest.runner import Status, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +31,9 @@ RUN_REPORTED = """
 import json, sys, torch
 from difftest import devices
 devices.prepare_runtime("cpu")
-from backends.torch_ref import TorchReference
-from backends.vllm_aiter import VllmAiter
-from cases.corpus import load_corpus
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.vllm_aiter import VllmAiter
+from difftest.cases.corpus import load_corpus
 from difftest.runner import run_case
 case = {c.name: c for c in load_corpus()}["lbhnc-128-blocks-2048-2040-page-2039"]
 backends = [VllmAiter(emulated=True), VllmAiter(emulated=True, options={"revision": "v0.1.20"})]

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-
-from backends.torch_ref import TorchReference
-from backends.vllm_triton_sparse import (
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.vllm_triton_sparse import (
     INTERPRETER_BF16_FINDING,
     IRREGULAR_FINDING,
     VllmTritonSparse,
 )
-from cases.corpus import load_corpus
-from cases.strategies import cases
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
+from hypothesis import given, settings
+
 from difftest import devices
 from difftest.backend import EmptyRowOutput, RunInputs
 from difftest.case import Case, cdiv
