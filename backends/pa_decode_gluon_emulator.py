@@ -127,8 +127,7 @@ def resolve_revision(revision: str | ContractRevision) -> ContractRevision:
         return revision
     if revision not in REVISIONS:
         raise ValueError(
-            f"unknown pa_decode_gluon contract revision {revision!r}; "
-            f"known: {', '.join(REVISIONS)}"
+            f"unknown pa_decode_gluon contract revision {revision!r}; known: {', '.join(REVISIONS)}"
         )
     return REVISIONS[revision]
 
@@ -140,6 +139,13 @@ def _cdiv(a: int, b: int) -> int:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(f"pa_decode_gluon emulator: {message}")
+
+
+def _aiter_assert(condition: bool, message: str) -> None:
+    """Raise AITER's own ``AssertionError`` with its message (kept under ``python -O``
+    and untouched by pytest's assertion rewriting)."""
+    if not condition:
+        raise AssertionError(message)
 
 
 def _is_fp8(dtype: torch.dtype) -> bool:
@@ -261,9 +267,22 @@ class GluonEmulator:
         """
         del alibi_slopes  # AITER never forwards it to a kernel
         launch = self._decode(
-            output, query, key_cache, value_cache, context_lengths, block_tables,
-            query_length, max_context_partition_num, context_partition_size, compute_type,
-            query_scale, key_scale, value_scale, sinks, sliding_window, ps,
+            output,
+            query,
+            key_cache,
+            value_cache,
+            context_lengths,
+            block_tables,
+            query_length,
+            max_context_partition_num,
+            context_partition_size,
+            compute_type,
+            query_scale,
+            key_scale,
+            value_scale,
+            sinks,
+            sliding_window,
+            ps,
         )
         scratch = None
         if launch.partitions > 1:
@@ -310,77 +329,96 @@ class GluonEmulator:
         equivalent_group = query_length * group
         block_size = key_cache.shape[-2]
 
-        assert query_length <= 4, f"query_length == {query_length} exceeds maximum of 4"
-        assert query.dtype in [fp8, bf16, fp16], (
+        _aiter_assert(query_length <= 4, f"query_length == {query_length} exceeds maximum of 4")
+        _aiter_assert(
+            query.dtype in [fp8, bf16, fp16],
             f"query tensor only support dtype in [{fp8, bf16, fp16}], "
-            f"but got query.dtype == {query.dtype}"
+            f"but got query.dtype == {query.dtype}",
         )
-        assert key_cache.dtype in [fp8, bf16, fp16], (
+        _aiter_assert(
+            key_cache.dtype in [fp8, bf16, fp16],
             f"key_cache tensor only support dtype in [{fp8, bf16, fp16}], "
-            f"but got key_cache.dtype == {key_cache.dtype}"
+            f"but got key_cache.dtype == {key_cache.dtype}",
         )
-        assert value_cache.dtype in [fp8, bf16, fp16], (
+        _aiter_assert(
+            value_cache.dtype in [fp8, bf16, fp16],
             f"value_cache tensor only support dtype in [{fp8, bf16, fp16}], "
-            f"but got value_cache.dtype == {value_cache.dtype}"
+            f"but got value_cache.dtype == {value_cache.dtype}",
         )
-        assert output.dtype in [bf16, fp16], (
+        _aiter_assert(
+            output.dtype in [bf16, fp16],
             f"output tensor only support dtype in [{bf16, fp16}], "
-            f"but got output.dtype == {output.dtype}"
+            f"but got output.dtype == {output.dtype}",
         )
-        assert equivalent_group <= 64, (
-            f"equivalent_query_group_size={equivalent_group} exceeds maximum of 64"
+        _aiter_assert(
+            equivalent_group <= 64,
+            f"equivalent_query_group_size={equivalent_group} exceeds maximum of 64",
         )
-        assert len(output.shape) == 3, f"Expected 3D output tensor, but got shape {output.shape}"
-        assert len(query.shape) == 3, f"Expected 3D query tensor, but got shape {query.shape}"
-        assert len(key_cache.shape) == 5, (
-            f"Expected 5D key_cache tensor, but got shape {key_cache.shape}"
+        _aiter_assert(
+            len(output.shape) == 3, f"Expected 3D output tensor, but got shape {output.shape}"
+        )
+        _aiter_assert(
+            len(query.shape) == 3, f"Expected 3D query tensor, but got shape {query.shape}"
+        )
+        _aiter_assert(
+            len(key_cache.shape) == 5,
+            f"Expected 5D key_cache tensor, but got shape {key_cache.shape}",
         )
         if self.revision.asserts_equal_blocks:
-            assert key_cache.shape[0] == value_cache.shape[0], (
+            _aiter_assert(
+                key_cache.shape[0] == value_cache.shape[0],
                 "key/value caches must have the same number of blocks, but got "
-                f"key={key_cache.shape}, value={value_cache.shape}"
+                f"key={key_cache.shape}, value={value_cache.shape}",
             )
 
         query_quant_mode = -1
         if query_scale is not None:
-            assert isinstance(query_scale, torch.Tensor) and query_scale.dtype == fp32, (
+            _aiter_assert(
+                isinstance(query_scale, torch.Tensor) and query_scale.dtype == fp32,
                 f"query_scale tensor only support dtype == {fp32}, "
-                f"but got query_scale.dtype == {query_scale.dtype}"
+                f"but got query_scale.dtype == {query_scale.dtype}",
             )
             query_quant_mode = 0
             if query_scale.numel() != 1:
-                assert len(query_scale.shape) == 3, (
-                    f"Expected 3D query_scale tensor, but got shape {query_scale.shape}"
+                _aiter_assert(
+                    len(query_scale.shape) == 3,
+                    f"Expected 3D query_scale tensor, but got shape {query_scale.shape}",
                 )
-                assert query_scale.shape[-1] == 1, (
+                _aiter_assert(
+                    query_scale.shape[-1] == 1,
                     "Expected query_scale.shape[-1] == 1, "
-                    f"but got query_scale.shape[-1]={query_scale.shape[-1]}"
+                    f"but got query_scale.shape[-1]={query_scale.shape[-1]}",
                 )
                 query_quant_mode = 1
 
         kv_quant_mode = -1
         if key_scale is not None and value_scale is not None and key_cache.dtype == fp8:
-            assert isinstance(key_scale, torch.Tensor) and key_scale.dtype == fp32, (
+            _aiter_assert(
+                isinstance(key_scale, torch.Tensor) and key_scale.dtype == fp32,
                 f"key_scale tensor only support dtype == {fp32}, "
-                f"but got key_scale.dtype == {key_scale.dtype}"
+                f"but got key_scale.dtype == {key_scale.dtype}",
             )
-            assert isinstance(value_scale, torch.Tensor) and value_scale.dtype == fp32, (
+            _aiter_assert(
+                isinstance(value_scale, torch.Tensor) and value_scale.dtype == fp32,
                 f"value_scale tensor only support dtype == {fp32}, "
-                f"but got value_scale.dtype == {value_scale.dtype}"
+                f"but got value_scale.dtype == {value_scale.dtype}",
             )
             kv_quant_mode = 0
             if key_scale.numel() != 1:
-                assert len(key_scale.shape) == 4, (
-                    f"Expected 4D key_scale tensor, but got shape {key_scale.shape}"
+                _aiter_assert(
+                    len(key_scale.shape) == 4,
+                    f"Expected 4D key_scale tensor, but got shape {key_scale.shape}",
                 )
-                assert key_scale.shape[-1] == 1, (
+                _aiter_assert(
+                    key_scale.shape[-1] == 1,
                     "Expected key_scale.shape[-1] == 1, "
-                    f"but got key_scale.shape[-1]={key_scale.shape[-1]}"
+                    f"but got key_scale.shape[-1]={key_scale.shape[-1]}",
                 )
                 kv_quant_mode = 1
-            assert key_scale.shape == value_scale.shape, (
+            _aiter_assert(
+                key_scale.shape == value_scale.shape,
                 "Key and value scales must have same shape, but got "
-                f"key: {key_scale.shape}, value: {value_scale.shape}"
+                f"key: {key_scale.shape}, value: {value_scale.shape}",
             )
 
         if len(value_cache.shape) not in (4, 5):
@@ -394,15 +432,15 @@ class GluonEmulator:
         # Past AITER's checks: what the emulator needs, or refuses to fake.
         if not isinstance(compute_type, torch.dtype):
             raise KeyError(compute_type)  # AITER's torch_to_triton_dtype lookup
-        _require(
+        _aiter_assert(
             compute_type in (fp8, bf16, fp16),
             f"compute_type must be one of {fp8, bf16, fp16} on {self.arch}, got {compute_type}",
         )
-        _require(
+        _aiter_assert(
             partitions >= 1,
             "max_context_partition_num must be >= 1 (AITER launches an empty grid)",
         )
-        _require(
+        _aiter_assert(
             context_partition_size in _TILE_SIZES,
             f"context_partition_size must be one of {_TILE_SIZES} (AITER defines layouts "
             f"only for these), got {context_partition_size}",
@@ -429,8 +467,9 @@ class GluonEmulator:
         offsets = torch.arange(batch, device=table_device)[:, None] * block_tables.stride(0)
         offsets = torch.where(used, offsets + entries, 0)
         available = block_tables.untyped_storage().nbytes() // block_tables.element_size()
-        flat = _strided(block_tables, (available - block_tables.storage_offset(),), (1,),
-                        "block_tables")
+        flat = _strided(
+            block_tables, (available - block_tables.storage_offset(),), (1,), "block_tables"
+        )
         _require(
             offsets.numel() == 0 or int(offsets.max()) < flat.numel(),
             "a used block-table entry lies outside block_tables' storage",
@@ -441,19 +480,25 @@ class GluonEmulator:
 
         ks0, ks1, ks2, ks3 = key_cache.stride()[:4]
         key = _strided(
-            key_cache, (num_pages, kv_heads, _cdiv(head_size, x), block_size, x),
-            (ks0, ks1, ks2, ks3, 1), "key_cache",
+            key_cache,
+            (num_pages, kv_heads, _cdiv(head_size, x), block_size, x),
+            (ks0, ks1, ks2, ks3, 1),
+            "key_cache",
         )
         vs0, vs1, vs2 = value_cache.stride()[:3]
         if value_transposed:
             value = _strided(
-                value_cache, (num_pages, kv_heads, _cdiv(block_size, x), head_size, x),
-                (vs0, vs1, vs2, x, 1), "value_cache",
+                value_cache,
+                (num_pages, kv_heads, _cdiv(block_size, x), head_size, x),
+                (vs0, vs1, vs2, x, 1),
+                "value_cache",
             )
         else:
             value = _strided(
-                value_cache, (num_pages, kv_heads, head_size, block_size),
-                (vs0, vs1, vs2, 1), "value_cache",
+                value_cache,
+                (num_pages, kv_heads, head_size, block_size),
+                (vs0, vs1, vs2, 1),
+                "value_cache",
             )
 
         key_scale_arg = value_scale_arg = None
@@ -472,7 +517,9 @@ class GluonEmulator:
         elif query_quant_mode == 1:
             scale5 = query_scale.reshape(batch, query_length, kv_heads, group, 1)
             scale4 = _strided(
-                scale5, (batch, query_length, kv_heads, group), (*scale5.stride()[:3], 1),
+                scale5,
+                (batch, query_length, kv_heads, group),
+                (*scale5.stride()[:3], 1),
                 "query_scale",
             )
             query_scale_arg = _rows(scale4).float()[..., None]
@@ -543,8 +590,7 @@ class GluonEmulator:
         _require(
             tuple(temporary_output.shape) == (*shape, launch.head_size)
             and temporary_output.stride(-1) == 1,
-            f"temporary_output must have shape {[*shape, launch.head_size]} and unit last "
-            "stride",
+            f"temporary_output must have shape {[*shape, launch.head_size]} and unit last stride",
         )
         if not launch.ps:
             tokens = launch.partitions * launch.tile
@@ -699,7 +745,7 @@ def _locate(
     caches' device."""
     n, bs = pos.shape[0], launch.block_size
     block = torch.div(pos, bs, rounding_mode="floor").clamp(max=launch.pages.shape[1] - 1)
-    pages = launch.pages[start:start + n].to(pos.device)
+    pages = launch.pages[start : start + n].to(pos.device)
     page = torch.where(used, pages.gather(1, block), 0)
     return page.to(launch.key.device), (pos % bs).to(launch.key.device)
 
@@ -812,14 +858,20 @@ def installed_as_aiter(
     emulator = make_emulator(revision, arch, num_cus)
     present = sys.modules.get("aiter")
     if present is not None and hasattr(present, "__difftest_emulator__"):
-        raise RuntimeError("refusing to install the pa_decode_gluon emulator: an emulated "
-                           "'aiter' module is already imported")
+        raise RuntimeError(
+            "refusing to install the pa_decode_gluon emulator: an emulated "
+            "'aiter' module is already imported"
+        )
     if present is not None and not shadow_real:
-        raise RuntimeError("refusing to install the pa_decode_gluon emulator: a real "
-                           "'aiter' module is already imported")
+        raise RuntimeError(
+            "refusing to install the pa_decode_gluon emulator: a real "
+            "'aiter' module is already imported"
+        )
     if not shadow_real and importlib.util.find_spec("aiter") is not None:
-        raise RuntimeError("refusing to install the pa_decode_gluon emulator: a real 'aiter' "
-                           "package is importable and would be shadowed")
+        raise RuntimeError(
+            "refusing to install the pa_decode_gluon emulator: a real 'aiter' "
+            "package is importable and would be shadowed"
+        )
     saved = _aiter_keys()
     for name in saved:  # no real submodule stays reachable beside the fakes
         del sys.modules[name]
