@@ -1,69 +1,23 @@
 """Which device a process computes on, decided without starting any GPU runtime.
 
-GPUs are counted from the drivers' sysfs/procfs entries (NVIDIA: ``/proc/driver/nvidia/gpus``;
-AMD: KFD topology nodes with a non-zero ``gpu_id``), never through torch, so the pytest
-controller and the CLI can choose and pin devices before CUDA or HIP initialises. On a
-machine without GPUs the CPU runtime is prepared for vLLM's Triton kernels: they run under
+``--device auto`` computes on a GPU when :mod:`difftest.platform` (the one reader of the
+drivers' files and the visibility variables) finds one visible to this process. On a machine
+without GPUs the CPU runtime is prepared for vLLM's Triton kernels: they run under
 ``TRITON_INTERPRET=1`` and need ``CUDA_VISIBLE_DEVICES=""`` set before vLLM is imported.
+The GPU counts are re-exported for the backends that choose a kernel by vendor.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
+
+from difftest.platform import gpu_vendor, physical_gpu_count, visible_gpu_count
+
+__all__ = ["DEVICE_CHOICES", "gpu_vendor", "interpreted", "physical_gpu_count",
+           "prepare_runtime", "resolve", "visible_gpu_count"]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-_VISIBILITY_VARS = ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
-
-
-def gpu_vendor() -> str | None:
-    """``"nvidia"``, ``"amd"`` or ``None``, from driver files alone."""
-    if _nvidia_gpus():
-        return "nvidia"
-    if _amd_gpus():
-        return "amd"
-    return None
-
-
-def _nvidia_gpus() -> int:
-    root = Path("/proc/driver/nvidia/gpus")
-    return len(list(root.iterdir())) if root.is_dir() else 0
-
-
-def _amd_gpus() -> int:
-    root = Path("/sys/class/kfd/kfd/topology/nodes")
-    if not root.is_dir():
-        return 0
-    count = 0
-    for node in root.iterdir():
-        gpu_id = node / "gpu_id"
-        if gpu_id.is_file() and gpu_id.read_text().strip() not in ("", "0"):
-            count += 1
-    return count
-
-
-def visible_mask() -> tuple[str, list[str]] | None:
-    """The visibility variable a runner already set and its entries, if any."""
-    for var in _VISIBILITY_VARS:
-        value = os.environ.get(var)
-        if value is not None:
-            return var, [v for v in value.split(",") if v.strip()]
-    return None
-
-
-def physical_gpu_count() -> int:
-    """GPUs present on the machine (ignores visibility masks)."""
-    return _nvidia_gpus() or _amd_gpus()
-
-
-def visible_gpu_count() -> int:
-    """GPUs this process may use: the physical count narrowed by a visibility mask."""
-    count = physical_gpu_count()
-    mask = visible_mask()
-    if mask is not None:
-        count = min(count, len(mask[1]))
-    return count
 
 
 def resolve(choice: str) -> str:

