@@ -3,6 +3,12 @@
 It never reads the physical cache or its views: each query row gathers the stored K/V of the
 tokens the framework's sparse table says it attends, straight from the generated per-block
 data, dequantises them exactly (``stored * scale`` in float64) and runs a plain softmax.
+
+Kernel modes: a logit softcap ``c`` maps each scaled logit ``s`` to ``c * tanh(s / c)``
+(float64 ``tanh``, which saturates at any ``|s / c|``); a sliding window ``W`` masks every
+attended token but the row's last ``W``. A kernel that evaluates the softcap's ``tanh`` from
+exponentials in its working precision loses about ``c * u`` absolutely on each logit, so the
+logit magnitude handed to the tolerance grows by ``c``.
 """
 
 from __future__ import annotations
@@ -66,16 +72,23 @@ class TorchReference:
             if length == 0:
                 continue
             index = index_all[start:stop, :length].to(device)
-            mask = (torch.arange(length)[None] < ctx[start:stop, None]).to(device)
+            ordinal = torch.arange(length)[None]
+            mask = ordinal < ctx[start:stop, None]
+            if case.sliding_window:
+                mask &= ordinal >= ctx[start:stop, None] - case.sliding_window
+            mask = mask.to(device)
             k = keys[index]  # [R, L, D]
             v = values[index]
             q = query[start:stop]  # [R, H, D]
             scores = torch.einsum("rhd,rld->rhl", q, k) * case.softmax_scale
+            if case.softcap:
+                scores = case.softcap * torch.tanh(scores / case.softcap)
             scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
             out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v)
             abs_out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v.abs())
             prod = torch.einsum("rhd,rld->rhl", q * q, k * k).sqrt() * case.softmax_scale
+            prod = prod + case.softcap
             magnitude[start:stop] = prod.masked_fill(~mask[:, None, :], 0).amax(dim=-1)
         return Reference(out, abs_out, magnitude, ctx.to(device))
 

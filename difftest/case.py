@@ -30,6 +30,11 @@ MAX_Q_HEADS = 64
 MAX_DECODE_QUERY_LEN = 4
 MAX_LOGICAL_BLOCK = MAX_SEQ_LEN // BLOCK_SIZE
 SCALE_RANGE = (1e-6, 1e6)
+SOFTCAP_RANGE = (1e-3, 1e4)
+# Kernel-mode fields and their "off" values. A field at its default is left out of the
+# content (and so of the case id and the JSON), so cases written before the field existed
+# keep their ids and load unchanged.
+MODE_DEFAULTS: dict[str, Any] = {"softcap": 0.0, "sliding_window": 0, "canary": False}
 
 
 class CaseError(ValueError):
@@ -56,6 +61,13 @@ class Case:
     ``seq_lens`` include the request's ``decode_query_len`` query tokens; ``0`` is a padded
     request. ``block_tables[r][l]`` is the physical block holding logical block ``l`` of
     request ``r``.
+
+    Kernel modes (off by default): ``softcap`` caps each scaled logit ``s`` to
+    ``softcap * tanh(s / softcap)``; ``sliding_window = W`` lets a row attend only the last
+    ``W`` tokens of its attended sequence (its own token included; over the compacted sparse
+    context, which is the absolute positions when a row selects all its blocks in order).
+    ``canary`` fills every KV slot of an attended block that no row reads (outside every
+    row's window, past the written tokens) with NaN instead of data or finite poison.
     """
 
     num_blocks: int
@@ -76,6 +88,9 @@ class Case:
     kv_layout: str = "LBHNC"
     distribution: str = "normal"
     seed: int = 0
+    softcap: float = 0.0
+    sliding_window: int = 0
+    canary: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -86,8 +101,10 @@ class Case:
         object.__setattr__(
             self, "selections", tuple(tuple(int(b) for b in row) for row in self.selections)
         )
-        for name in ("k_scale", "v_scale", "softmax_scale"):
+        for name in ("k_scale", "v_scale", "softmax_scale", "softcap"):
             object.__setattr__(self, name, float(getattr(self, name)))
+        if self.sliding_window is None:
+            object.__setattr__(self, "sliding_window", 0)
         validate(self)
 
     # ----- derived geometry -------------------------------------------------------------
@@ -137,6 +154,12 @@ class Case:
         """The highest page id a valid selection of the last physical block can produce."""
         return (self.num_blocks - 1) * self.block_page_stride + self.pages_per_side - 1
 
+    @property
+    def kernel_modes(self) -> tuple[str, ...]:
+        """The kernel modes this case switches on (``"softcap"``, ``"sliding_window"``): a
+        backend that cannot run one must declare the case unsupported."""
+        return tuple(m for m in ("softcap", "sliding_window") if getattr(self, m))
+
     @cached_property
     def case_id(self) -> str:
         """Stable content id: a hash of every field but ``name``."""
@@ -156,6 +179,9 @@ class Case:
     def _content(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.pop("name")
+        for mode, off in MODE_DEFAULTS.items():
+            if data[mode] == off:
+                data.pop(mode)
         data["seq_lens"] = list(self.seq_lens)
         data["block_tables"] = [list(r) for r in self.block_tables]
         data["selections"] = [list(r) for r in self.selections]
@@ -234,6 +260,14 @@ def validate(case: Case) -> None:
                             "1.0 (scales apply to fp8 KV only)")
     if not (math.isfinite(case.softmax_scale) and case.softmax_scale > 0):
         raise CaseError("softmax_scale", f"= {case.softmax_scale!r}", "finite and > 0")
+    low, high = SOFTCAP_RANGE
+    if case.softcap != 0.0 and not (math.isfinite(case.softcap) and low <= case.softcap <= high):
+        raise CaseError("softcap", f"= {case.softcap!r}", f"0 (off) or finite {low:g}..{high:g}")
+    window = case.sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or not 0 <= window <= MAX_SEQ_LEN:
+        raise CaseError("sliding_window", f"= {window!r}", f"0 (off) or integer 1..{MAX_SEQ_LEN}")
+    if not isinstance(case.canary, bool):
+        raise CaseError("canary", f"= {case.canary!r}", "true or false")
     if not 1 <= case.batch <= MAX_BATCH:
         raise CaseError("seq_lens", f"has {case.batch} requests", f"1..{MAX_BATCH} requests")
     if len(case.block_tables) != case.batch:

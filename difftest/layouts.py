@@ -14,7 +14,9 @@ Canaries: every page that no query row attends is NaN, so a backend reading a wr
 produces NaN instead of a plausible number. Slots of an attended page past the owning
 request's written tokens hold a large finite poison, as do page 0 of each side of physical
 block 0 (vLLM's null block), which kernels legitimately load for padded lanes and multiply
-by zero.
+by zero. A case with ``canary`` set goes further: every slot of an attended block that no
+row reads (outside every row's sliding window, past the written tokens) is NaN, so a kernel
+that loads such a slot and multiplies it by a zero weight is caught too.
 """
 
 from __future__ import annotations
@@ -54,9 +56,26 @@ def _attended_pages(case: Case, rows: tuple[SparseRow, ...]) -> dict[int, int]:
     return pages
 
 
+def _read_slots(case: Case, rows: tuple[SparseRow, ...],
+                blocks: tuple[int, ...]) -> torch.Tensor:
+    """``[len(blocks), block_size]`` bool: the slots some row reads (its window, if any)."""
+    read = torch.zeros((len(blocks), case.block_size), dtype=torch.bool)
+    index = {b: i for i, b in enumerate(blocks)}
+    for row in rows:
+        first = row.context_len - case.sliding_window if case.sliding_window else 0
+        ordinal = 0
+        for seg in row.segments:
+            start = max(first - ordinal, 0)
+            if start < seg.tokens:
+                read[index[seg.physical_block], start: seg.tokens] = True
+            ordinal += seg.tokens
+    return read
+
+
 def _attended_sides(case: Case, data: CaseData, rows: tuple[SparseRow, ...]) -> torch.Tensor:
     """``[attended, 2, 128, nkv, D]`` token-major sides of the attended blocks (ascending id):
-    data where written, poison where not, NaN on pages no row reaches."""
+    data where written, poison where not, NaN on pages no row reaches (with ``canary``: data
+    where some row reads, NaN everywhere else)."""
     attended = _attended_pages(case, rows)
     device = data.k_stored.device
     blocks = data.physical_blocks
@@ -64,6 +83,9 @@ def _attended_sides(case: Case, data: CaseData, rows: tuple[SparseRow, ...]) -> 
     written = torch.tensor(data.valid_tokens, device=device).view(-1, 1)
     reach = torch.tensor([attended[b] * case.page_size for b in blocks], device=device)
     sides = torch.stack((data.k_stored, data.v_stored), dim=1)
+    if case.canary:
+        read = _read_slots(case, rows, blocks).to(device)[:, None, :, None, None]
+        return torch.where(read, sides, torch.full_like(sides, float("nan")))
     poison = torch.full_like(sides, POISON)
     sides = torch.where((tokens < written)[:, None, :, None, None], sides, poison)
     nan = torch.full_like(sides, float("nan"))
