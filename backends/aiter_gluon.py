@@ -110,6 +110,9 @@ def emulated_arch(case: Case) -> str:
 
 def gluon_unsupported(case: Case, device: torch.device, emulated: bool) -> str | None:
     """What ``pa_decode_gluon`` refuses; the real kernel also needs its GPU's fp8 flavour."""
+    if case.kernel_modes:
+        return (f"{' and '.join(case.kernel_modes)}: the MiniMax-M3 sparse decode has no such "
+                "mode, so neither pa_decode_gluon caller passes one")
     if case.query_dtype == "float32":
         return ("AITER pa_decode_gluon asserts a query dtype in [fp8, bfloat16, float16]; "
                 "float32 queries are not supported")
