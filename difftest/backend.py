@@ -5,11 +5,17 @@ order, the framework's sparse page table, the stored query), then returns its ou
 ``[total_q, num_q_heads, head_dim]``. Everything a comparison must know about the backend is
 declared, never guessed: which cases it supports (with the reason when not), the precision of
 its rounding stages, and what it writes on rows that attend nothing.
+
+Two capabilities are optional, each its own protocol so that a call site checks for it by
+type: a :class:`ReferenceBackend` also computes the float64 :class:`Reference` the others are
+judged against, and a :class:`ConfigurableBackend` builds configured copies of itself from the
+options of a name like ``base[key=value,...]``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol, runtime_checkable
@@ -52,6 +58,21 @@ class Precision:
     output: str
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The float64 truth of a case, with the magnitudes the tolerance needs.
+
+    ``output`` and ``abs_output`` (``sum_i p_i |v_i|``) are ``[total_q, Hq, D]``;
+    ``logit_magnitude`` is ``max_i ||q o k_i||_2 * softmax_scale`` per ``[total_q, Hq]``;
+    ``context_lens`` is ``[total_q]``.
+    """
+
+    output: torch.Tensor
+    abs_output: torch.Tensor
+    logit_magnitude: torch.Tensor
+    context_lens: torch.Tensor
+
+
 @runtime_checkable
 class Backend(Protocol):
     """A kernel under test. Plug-ins implement this; see :mod:`difftest.registry`."""
@@ -81,6 +102,24 @@ class Backend(Protocol):
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """Compute the decode output for ``inputs.case``."""
+        ...
+
+
+@runtime_checkable
+class ReferenceBackend(Backend, Protocol):
+    """A backend that can serve as the reference (``--reference`` / ``--difftest-reference``)."""
+
+    def reference(self, inputs: RunInputs) -> Reference:
+        """The float64 output of ``inputs.case`` and the magnitudes its tolerance needs."""
+        ...
+
+
+@runtime_checkable
+class ConfigurableBackend(Backend, Protocol):
+    """A backend that takes options in its name: ``base[key=value,...]``."""
+
+    def with_options(self, options: Mapping[str, str]) -> Backend:
+        """A copy configured by ``options``; raises ``ValueError`` naming a bad one."""
         ...
 
 

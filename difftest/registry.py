@@ -20,7 +20,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from difftest.backend import Backend
+from difftest.backend import Backend, ConfigurableBackend
 
 ENTRY_POINT_GROUP = "difftest.backends"
 
@@ -169,11 +169,11 @@ def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]
         if base not in available:
             known = ", ".join(sorted(available))
             raise RegistryError(f"unknown backend {name!r}; known backends: {known}")
-        configure = getattr(available[base], "with_options", None)
-        if not options or configure is None:
+        backend = available[base]
+        if not options or not isinstance(backend, ConfigurableBackend):
             raise RegistryError(f"backend {base!r} takes no options (got {name!r})")
         try:
-            chosen.append(configure(options))
+            chosen.append(backend.with_options(options))
         except ValueError as exc:
             raise RegistryError(f"backend {name!r}: {exc}") from exc
     return chosen

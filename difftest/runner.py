@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from difftest.artifacts import ArtifactStore
-from difftest.backend import Backend, RunInputs
+from difftest.backend import Backend, ReferenceBackend, RunInputs
 from difftest.case import Case
 from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
@@ -115,7 +115,7 @@ def _sync(device: torch.device) -> None:
 
 def run_case(
     case: Case,
-    reference: Backend,
+    reference: ReferenceBackend,
     backends: list[Backend],
     device: torch.device,
     store: ArtifactStore | None = None,
@@ -131,7 +131,7 @@ def run_case(
         _sync(device)
         timings["generate"] = time.perf_counter() - start
         start = time.perf_counter()
-        truth = reference.reference(inputs)  # type: ignore[attr-defined]
+        truth = reference.reference(inputs)
         _sync(device)
         timings["reference"] = time.perf_counter() - start
     except Exception:  # a framework failure is every backend's error, never a lost case

@@ -14,7 +14,7 @@ import torch
 
 from difftest import devices, registry
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, case_record
-from difftest.backend import Backend, RunInputs
+from difftest.backend import Backend, ReferenceBackend, RunInputs
 from difftest.case import Case
 from difftest.fingerprint import fingerprint
 from difftest.report import backend_entry
@@ -48,10 +48,19 @@ class ObservedBackend:
             self.store.record_output(inputs.case, self.name, output)
         return output
 
+
+class ObservedReference(ObservedBackend):
+    """The reference backend as a session runs it (its reference computation observed too)."""
+
+    inner: ReferenceBackend
+
+    def __init__(self, inner: ReferenceBackend, store: ArtifactStore) -> None:
+        super().__init__(inner, store)
+
     def reference(self, inputs: RunInputs) -> Reference:
         """The wrapped reference backend's float64 reference."""
         self.store.running(inputs.case, self.name)
-        return self.inner.reference(inputs)  # type: ignore[attr-defined]
+        return self.inner.reference(inputs)
 
 
 @dataclass
@@ -59,7 +68,7 @@ class Session:
     """Everything needed to run cases; collects their results and report entries."""
 
     device: torch.device
-    reference: Backend
+    reference: ReferenceBackend
     backends: list[Backend]
     store: ArtifactStore
     plugins: tuple[str, ...] = ()
@@ -81,7 +90,7 @@ class Session:
         devices.prepare_runtime(resolved)
         known = registry.discover(plugins)
         ref = registry.select(known, [reference])[0]
-        if not hasattr(ref, "reference"):
+        if not isinstance(ref, ReferenceBackend):
             raise registry.RegistryError(f"{reference!r} cannot serve as the reference "
                                          "(it has no reference() method)")
         names = list(backend_names) if backend_names is not None else [
@@ -98,8 +107,8 @@ class Session:
 
     def run(self, case: Case) -> CaseResult:
         """Run one case, keep and return its result."""
-        result = run_case(case, ObservedBackend(self.reference, self.store),  # type: ignore[arg-type]
-                          [ObservedBackend(b, self.store) for b in self.backends],  # type: ignore[misc]
+        result = run_case(case, ObservedReference(self.reference, self.store),
+                          [ObservedBackend(b, self.store) for b in self.backends],
                           self.device, self.store)
         self.results.append(result)
         self.records.append(case_record(result, self.store.outputs(case)))

@@ -28,26 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from difftest.backend import Precision
+from difftest.backend import Precision, Reference
 from difftest.dtypes import underflow_unit, unit_roundoff
 
 FACTOR = 3.0
 LOGIT_SIGMAS = 3.0
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The float64 truth of a case, with the magnitudes the tolerance needs.
-
-    ``output`` and ``abs_output`` (``sum_i p_i |v_i|``) are ``[total_q, Hq, D]``;
-    ``logit_magnitude`` is ``max_i ||q o k_i||_2 * softmax_scale`` per ``[total_q, Hq]``;
-    ``context_lens`` is ``[total_q]``.
-    """
-
-    output: torch.Tensor
-    abs_output: torch.Tensor
-    logit_magnitude: torch.Tensor
-    context_lens: torch.Tensor
 
 
 @dataclass(frozen=True)
