@@ -253,7 +253,7 @@ def test_pytest_n4_pins_each_worker_to_a_real_gpu(tmp_path: Path) -> None:
 
 def test_pytest_refuses_a_mask_naming_more_gpus_than_exist(tmp_path: Path) -> None:
     (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
-    done = run_pytest(tmp_path, "-n", "2", env=clean_env(
+    done = run_pytest(tmp_path, "-n", "2", "-o", "difftest=true", env=clean_env(
         **{FAKE_GPUS_ENV: "amd:2", "HIP_VISIBLE_DEVICES": "0,1,2"}))
     assert done.returncode == pytest.ExitCode.USAGE_ERROR
     assert ("difftest GPU pinning: HIP_VISIBLE_DEVICES=0,1,2 names GPU 2, but only 2 GPU(s)"
