@@ -17,13 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, repro_command
+from difftest.artifacts import DEFAULT_ROOT, repro_command
 from difftest.devices import DEVICE_CHOICES
 from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
 from difftest.registry import split_names
 
 EXIT_UNREADABLE = 2
-REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
 
 
 def _add_session_options(parser: argparse.ArgumentParser) -> None:
@@ -38,18 +37,6 @@ def _add_session_options(parser: argparse.ArgumentParser) -> None:
 
 def _backend_list(text: str | None) -> list[str] | None:
     return None if text is None else split_names(text)
-
-
-def _report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
-    """Turn cases left pending by dead processes into crash artifacts, and say so."""
-    records = []
-    for store in (ArtifactStore(root), ArtifactStore(Path(root) / REPLAYS)):
-        records += store.recover_crashes(f"found by {found_by} after the process died")
-    for record in records:
-        print(f"CRASH case {record['case_id']} (an earlier run died in it): replay with "
-              f"{repro_command(record['artifact'], record.get('plugins', ()))}",
-              file=sys.stderr)
-    return records
 
 
 class Progress:
@@ -96,6 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
     from difftest.cases.corpus import load_corpus
     from difftest.cases.generate import generated_cases
+    from difftest.replay import report_previous_crashes
     from difftest.report import build_report, summary, write_report
     from difftest.session import Session
     from difftest.shard import Shard, ShardError
@@ -105,9 +93,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ShardError as exc:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    earlier = _report_previous_crashes(args.artifacts, "difftest run")
     session = Session.create(_backend_list(args.backends), args.plugin, args.device,
                              args.artifacts, args.reference)
+    earlier = report_previous_crashes(args.artifacts, "difftest run")
     case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(args.examples,
                                                                           args.seed)
     if shard is not None:
@@ -134,112 +122,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 1 if earlier or any(r.failed for r in session.results) else 0
 
 
-def _load_replay_source(path: Path) -> tuple[Any, dict[str, Any] | None, dict[str, Any] | None]:
-    """``(case, recorded case entry, recorded fingerprint)`` from a directory or JSON file."""
-    from difftest.case import Case
-
-    if path.is_dir():
-        recorded = path / "results.json"
-        environment = path / "fingerprint.json"
-        return (Case.from_json((path / "case.json").read_text()),
-                json.loads(recorded.read_text()) if recorded.is_file() else None,
-                json.loads(environment.read_text()) if environment.is_file() else None)
-    payload = json.loads(path.read_text())
-    if "case" in payload and "pid" in payload:  # a pending file left by a dead process
-        return Case.from_dict(payload["case"]), None, payload.get("environment")
-    return Case.from_dict(payload), None, None
-
-
-def _environment_line(info: dict[str, Any]) -> str:
-    versions = info.get("versions", {})
-    device = info.get("gpu_arch") or ("cpu, Triton interpreted" if info.get("triton_interpret")
-                                      else "cpu")
-    parts = [device] + [f"{k} {versions[k]}" for k in ("torch", "triton", "vllm", "amd-aiter",
-                                                       "aiter") if k in versions]
-    if info.get("aiter_commit"):
-        parts.append(f"aiter commit {info['aiter_commit']}")
-    return ", ".join(parts)
-
-
-def _short(digest: str | None) -> str:
-    return digest[:12] if digest else "-"
-
-
-def _ratio_text(entry: dict[str, Any]) -> str:
-    return f"{entry['comparison']['max_ratio']:.4g}" if entry.get("comparison") else "-"
-
-
-def _replay_backends(recorded: dict[str, Any], plugins: Sequence[str],
-                     reference: str) -> list[str]:
-    """Every installed backend, plus each recorded one this machine can build (a name with
-    options, or one from a plug-in given with ``--plugin``)."""
-    from difftest import registry
-
-    installed = [b.name for b in registry.entry_point_backends()]
-    known = registry.discover(plugins)
-    names = [n for n in sorted(installed) if n != reference]
-    for result in recorded.get("results", []):
-        name = result["backend"]
-        if name in names or name == reference:
-            continue
-        try:
-            registry.select(known, [name])
-        except registry.RegistryError:
-            continue  # listed as "not run" with the hint to load its plug-in
-        names.append(name)
-    return names
-
-
 def cmd_repro(args: argparse.Namespace) -> int:
     """Replay one case on the local backends and show what differs from the recording."""
-    from difftest.report import build_report, write_report
-    from difftest.session import Session
+    from difftest.replay import replay
 
-    path = Path(args.path)
-    try:
-        case, recorded, environment = _load_replay_source(path)
-    except (OSError, ValueError, KeyError) as exc:
-        print(f"difftest repro: cannot read {path}: {exc}", file=sys.stderr)
-        return EXIT_UNREADABLE
-    _report_previous_crashes(args.artifacts, "difftest repro")
-    names = _backend_list(args.backends)
-    if names is None and recorded:
-        names = _replay_backends(recorded, args.plugin, args.reference)
-    session = Session.create(names, args.plugin, args.device,
-                             str(Path(args.artifacts) / REPLAYS), args.reference)
-    print(f"case {case.case_id} {case.name}".rstrip())
-    if environment:
-        print(f"  recorded on: {_environment_line(environment)}")
-    print(f"  replayed on: {_environment_line(session.environment)}")
-    result = session.run(case)
-    record = session.records[-1]
-    recorded_results = {r["backend"]: r for r in (recorded or {}).get("results", [])}
-    print(f"  {'backend':<24} {'status':<12} {'err/tol':<10} {'output':<13} recorded")
-    for entry in record["results"]:
-        was = recorded_results.get(entry["backend"])
-        if was is None:
-            verdict = ("not judged: the recorded run crashed first"
-                       if entry["backend"] in (recorded or {}).get("unjudged", []) else "-")
-        else:
-            now, then = entry["output_sha256"], was.get("output_sha256")
-            same = ("no output either time" if now is None and then is None
-                    else "bit-identical" if now == then else "differs")
-            verdict = f"{was['status']} {_ratio_text(was)} {_short(then)}: {same}"
-        print(f"  {entry['backend']:<24} {entry['status']:<12} {_ratio_text(entry):<10} "
-              f"{_short(entry['output_sha256']):<13} {verdict}")
-    for name, was in sorted(recorded_results.items()):
-        if name not in {e["backend"] for e in record["results"]}:
-            print(f"  {name:<24} {'not run':<12} {'-':<10} {'-':<13} {was['status']} "
-                  f"{_ratio_text(was)} (pass --plugin/--backends to replay it)")
-    for message in result.failure_messages():
-        print(message)
-    if result.artifact:
-        print(f"replay artifacts: {result.artifact}")
-    if args.report:
-        config = session.config() | {"runner": "difftest repro", "source": str(path)}
-        write_report(args.report, build_report(session.records, session.backend_entries(),
-                                               config, session.environment))
-    return 1 if result.failed else 0
+    return replay(Path(args.path), _backend_list(args.backends), args.plugin, args.device,
+                  args.reference, args.artifacts, args.report)
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -397,11 +285,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from difftest.case import CaseError
     from difftest.registry import RegistryError
+    from difftest.replay import ReplayError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (RegistryError, CaseError, OSError, json.JSONDecodeError) as exc:
+    except (RegistryError, CaseError, ReplayError, OSError, json.JSONDecodeError) as exc:
         print(f"difftest {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
 

@@ -1,0 +1,147 @@
+"""Replaying one recorded case (``difftest repro``) and reporting crashes earlier runs left.
+
+A replay reads a failure directory (``case.json`` with the recorded ``results.json`` and
+``fingerprint.json``), a case file, or a pending file a dead process left; runs the case on
+every backend this machine can build, the recorded ones included; and prints, per backend,
+its status now beside the recorded one and whether its output is bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from difftest.artifacts import ArtifactStore, repro_command
+from difftest.case import Case
+
+REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
+
+
+class ReplayError(ValueError):
+    """The replay source cannot be read; the message names the path and the problem."""
+
+
+def report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
+    """Turn cases left pending by dead processes (runs and replays) into crash artifacts,
+    say so on stderr, and return their records."""
+    records = []
+    for store in (ArtifactStore(root), ArtifactStore(Path(root) / REPLAYS)):
+        records += store.recover_crashes(f"found by {found_by} after the process died")
+    for record in records:
+        print(f"CRASH case {record['case_id']} (an earlier run died in it): replay with "
+              f"{repro_command(record['artifact'], record.get('plugins', ()))}",
+              file=sys.stderr)
+    return records
+
+
+def load_source(path: Path) -> tuple[Case, dict[str, Any] | None, dict[str, Any] | None]:
+    """``(case, recorded case entry, recorded fingerprint)`` from a directory or JSON file."""
+    try:
+        if path.is_dir():
+            recorded = path / "results.json"
+            environment = path / "fingerprint.json"
+            return (Case.from_json((path / "case.json").read_text()),
+                    json.loads(recorded.read_text()) if recorded.is_file() else None,
+                    json.loads(environment.read_text()) if environment.is_file() else None)
+        payload = json.loads(path.read_text())
+        if isinstance(payload, dict) and "case" in payload and "pid" in payload:
+            return Case.from_dict(payload["case"]), None, payload.get("environment")  # pending
+        if not isinstance(payload, dict):
+            raise ValueError(f"holds a JSON {type(payload).__name__}, not a case object")
+        return Case.from_dict(payload), None, None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ReplayError(f"cannot read {path}: {exc}") from exc
+
+
+def _environment_line(info: dict[str, Any]) -> str:
+    versions = info.get("versions", {})
+    device = info.get("gpu_arch") or ("cpu, Triton interpreted" if info.get("triton_interpret")
+                                      else "cpu")
+    parts = [device] + [f"{k} {versions[k]}" for k in ("torch", "triton", "vllm", "amd-aiter",
+                                                       "aiter") if k in versions]
+    if info.get("aiter_commit"):
+        parts.append(f"aiter commit {info['aiter_commit']}")
+    return ", ".join(parts)
+
+
+def _short(digest: str | None) -> str:
+    return digest[:12] if digest else "-"
+
+
+def _ratio_text(entry: dict[str, Any]) -> str:
+    return f"{entry['comparison']['max_ratio']:.4g}" if entry.get("comparison") else "-"
+
+
+def replay_backends(recorded: dict[str, Any], plugins: Sequence[str],
+                    reference: str) -> list[str]:
+    """Every installed backend, plus each recorded one this machine can build (a name with
+    options, or one from a plug-in given with ``--plugin``)."""
+    from difftest import registry
+
+    installed = [b.name for b in registry.entry_point_backends()]
+    known = registry.discover(plugins)
+    names = [n for n in sorted(installed) if n != reference]
+    for result in recorded.get("results", []):
+        name = result["backend"]
+        if name in names or name == reference:
+            continue
+        try:
+            registry.select(known, [name])
+        except registry.RegistryError:
+            continue  # listed as "not run" with the hint to load its plug-in
+        names.append(name)
+    return names
+
+
+def replay(path: Path, backend_names: list[str] | None, plugins: Sequence[str], device: str,
+           reference: str, artifacts: str, report: str | None = None) -> int:
+    """Replay the case at ``path``, print what differs from the recording; 1 if it fails.
+
+    Raises :class:`ReplayError` (before anything is run or written) when ``path`` is not a
+    readable case, failure directory or pending file.
+    """
+    from difftest.report import build_report, write_report
+    from difftest.session import Session
+
+    case, recorded, environment = load_source(path)
+    names = backend_names
+    if names is None and recorded:
+        names = replay_backends(recorded, plugins, reference)
+    session = Session.create(names, plugins, device, str(Path(artifacts) / REPLAYS), reference)
+    report_previous_crashes(artifacts, "difftest repro")
+    print(f"case {case.case_id} {case.name}".rstrip())
+    if environment:
+        print(f"  recorded on: {_environment_line(environment)}")
+    print(f"  replayed on: {_environment_line(session.environment)}")
+    result = session.run(case)
+    record = session.records[-1]
+    recorded_results = {r["backend"]: r for r in (recorded or {}).get("results", [])}
+    print(f"  {'backend':<24} {'status':<12} {'err/tol':<10} {'output':<13} recorded")
+    for entry in record["results"]:
+        was = recorded_results.get(entry["backend"])
+        if was is None:
+            verdict = ("not judged: the recorded run crashed first"
+                       if entry["backend"] in (recorded or {}).get("unjudged", []) else "-")
+        else:
+            now, then = entry["output_sha256"], was.get("output_sha256")
+            same = ("no output either time" if now is None and then is None
+                    else "bit-identical" if now == then else "differs")
+            verdict = f"{was['status']} {_ratio_text(was)} {_short(then)}: {same}"
+        print(f"  {entry['backend']:<24} {entry['status']:<12} {_ratio_text(entry):<10} "
+              f"{_short(entry['output_sha256']):<13} {verdict}")
+    for name, was in sorted(recorded_results.items()):
+        if name not in {e["backend"] for e in record["results"]}:
+            print(f"  {name:<24} {'not run':<12} {'-':<10} {'-':<13} {was['status']} "
+                  f"{_ratio_text(was)} (pass --plugin/--backends to replay it)")
+    for message in result.failure_messages():
+        print(message)
+    if result.artifact:
+        print(f"replay artifacts: {result.artifact}")
+    if report:
+        config = session.config() | {"runner": "difftest repro", "source": str(path)}
+        write_report(report, build_report(session.records, session.backend_entries(),
+                                          config, session.environment))
+    return 1 if result.failed else 0
