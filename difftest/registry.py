@@ -5,6 +5,12 @@ ones (see ``pyproject.toml``), so no module here names any backend. An entry poi
 ``--plugin``) may point to a backend class, a backend instance, a callable returning one or a
 list of them, or a module that defines ``DIFFTEST_BACKENDS``. A plug-in is given as
 ``package.module:attr`` or as a path to a ``.py`` file.
+
+A broken backend never aborts a run. An entry point that fails to load (or to build its
+backends) becomes a :class:`BrokenBackend`, unavailable with the exception; every discovered
+backend is a :class:`GuardedBackend`, whose availability probe and ``versions()`` run once and
+make it unavailable, with the exception, if either raises. A ``--plugin`` the user named that
+cannot be loaded is a :class:`RegistryError`: the command line was wrong.
 """
 
 from __future__ import annotations
@@ -20,7 +26,17 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from difftest.backend import Backend, ConfigurableBackend
+import torch
+
+from difftest.backend import (
+    Availability,
+    Backend,
+    ConfigurableBackend,
+    EmptyRowOutput,
+    Precision,
+    RunInputs,
+)
+from difftest.case import Case
 
 ENTRY_POINT_GROUP = "difftest.backends"
 
@@ -29,15 +45,122 @@ class RegistryError(RuntimeError):
     """A plug-in could not be loaded, or two backends share a name."""
 
 
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of an exception, as reasons and errors quote it."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+class BrokenBackend:
+    """A registered backend that could not even be built: unavailable, with the reason."""
+
+    in_page_orders: tuple[str, ...] = ()
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+
+    def availability(self) -> Availability:
+        """Never available."""
+        return Availability(False, self.reason)
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """Every case: the reason it is broken."""
+        return self.reason
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """Never asked for (never available)."""
+        raise RuntimeError(self.reason)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """Never asked for (never available)."""
+        raise RuntimeError(self.reason)
+
+    def versions(self) -> dict[str, str]:
+        """Nothing is known."""
+        return {}
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """Never run (never available)."""
+        raise RuntimeError(self.reason)
+
+
+class GuardedBackend:
+    """A discovered backend whose availability probe and ``versions()`` cannot abort a run.
+
+    Both are called once, on first use (``versions()`` only when available); an exception
+    from either makes the backend unavailable with the exception as the reason. Everything
+    else is the wrapped backend's (its prepare, run and compare failures are per-case errors,
+    :mod:`difftest.runner`).
+    """
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.in_page_orders = inner.in_page_orders
+        self._probed: tuple[Availability, dict[str, str]] | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def _probe(self) -> tuple[Availability, dict[str, str]]:
+        if self._probed is None:
+            versions: dict[str, str] = {}
+            try:
+                availability = self.inner.availability()
+            except Exception as exc:
+                availability = Availability(False, f"its availability probe raised "
+                                                   f"{describe(exc)}")
+            if availability.available:  # an unavailable backend's versions are never asked
+                try:
+                    versions = dict(self.inner.versions())
+                except Exception as exc:
+                    availability = Availability(False, f"its versions() raised {describe(exc)}")
+            self._probed = availability, versions
+        return self._probed
+
+    def availability(self) -> Availability:
+        """The wrapped backend's, or unavailable with what its probe or versions raised."""
+        return self._probe()[0]
+
+    def versions(self) -> dict[str, str]:
+        """The wrapped backend's versions (none if they raised)."""
+        return self._probe()[1]
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """The wrapped backend's."""
+        return self.inner.unsupported_reason(case, device)
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """The wrapped backend's."""
+        return self.inner.precision(case, device)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """The wrapped backend's."""
+        return self.inner.empty_row_output(case)
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The wrapped backend's output."""
+        return self.inner.run(inputs)
+
+
+def guard(backend: Backend) -> Backend:
+    """``backend`` as a :class:`GuardedBackend` (unchanged if it is one, or broken)."""
+    if isinstance(backend, (GuardedBackend, BrokenBackend)):
+        return backend
+    return GuardedBackend(backend)
+
+
 def _as_backends(obj: Any, origin: str) -> list[Backend]:
     if isinstance(obj, ModuleType):
         if not hasattr(obj, "DIFFTEST_BACKENDS"):
             raise RegistryError(f"{origin}: module defines no DIFFTEST_BACKENDS")
         return _as_backends(obj.DIFFTEST_BACKENDS, origin)
-    if inspect.isclass(obj):
-        obj = obj()
-    elif callable(obj) and not isinstance(obj, Backend):
-        obj = obj()
+    if inspect.isclass(obj) or (callable(obj) and not isinstance(obj, Backend)):
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise RegistryError(f"{origin}: calling {getattr(obj, '__name__', obj)!r} raised "
+                                f"{describe(exc)}") from exc
     if isinstance(obj, Backend):
         return [obj]
     if isinstance(obj, Iterable) and not isinstance(obj, (str, bytes)):
@@ -72,19 +195,25 @@ def load_plugin(spec: str) -> list[Backend]:
             module = importlib.import_module(target)
         except Exception as exc:  # ImportError, or whatever the module raises as it loads
             raise RegistryError(f"--plugin {spec}: {type(exc).__name__}: {exc}") from exc
+    if attr and not hasattr(module, attr):
+        raise RegistryError(f"--plugin {spec}: {target} has no attribute {attr!r}")
     obj = getattr(module, attr) if attr else module
     return _as_backends(obj, f"--plugin {spec}")
 
 
 def entry_point_backends() -> list[Backend]:
-    """Every backend registered under the ``difftest.backends`` entry-point group."""
+    """Every backend registered under the ``difftest.backends`` entry-point group.
+
+    An entry point that fails to load or to build its backends is one :class:`BrokenBackend`
+    named after the entry point: a broken plug-in must not hide the others.
+    """
     found: list[Backend] = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
-            obj = ep.load()
-        except Exception as exc:  # a broken plug-in must not hide the others
-            raise RegistryError(f"entry point {ep.name} = {ep.value}: {exc}") from exc
-        found.extend(_as_backends(obj, f"entry point {ep.name}"))
+            found.extend(_as_backends(ep.load(), f"entry point {ep.name}"))
+        except Exception as exc:
+            found.append(BrokenBackend(ep.name, f"entry point {ep.name} = {ep.value} failed "
+                                                f"to load: {describe(exc)}"))
     return found
 
 
@@ -96,7 +225,7 @@ def discover(plugins: Iterable[str] = ()) -> dict[str, Backend]:
         for backend in group:
             if backend.name in backends:
                 raise RegistryError(f"two backends are named {backend.name!r}")
-            backends[backend.name] = backend
+            backends[backend.name] = guard(backend)
     return backends
 
 
@@ -173,7 +302,9 @@ def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]
         if not options or not isinstance(backend, ConfigurableBackend):
             raise RegistryError(f"backend {base!r} takes no options (got {name!r})")
         try:
-            chosen.append(backend.with_options(options))
-        except ValueError as exc:
+            chosen.append(guard(backend.with_options(options)))
+        except ValueError as exc:  # a bad option: the name given was wrong
             raise RegistryError(f"backend {name!r}: {exc}") from exc
+        except Exception as exc:  # the backend failed to configure itself
+            chosen.append(BrokenBackend(name, f"configuring it raised {describe(exc)}"))
     return chosen

@@ -151,7 +151,12 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Any,
     availability = backend.availability()
     if not availability.available:
         return BackendResult(backend.name, Status.UNAVAILABLE, detail=availability.reason)
-    reason = backend.unsupported_reason(case, device)
+    try:
+        reason = backend.unsupported_reason(case, device)
+    except Exception:
+        return BackendResult(backend.name, Status.ERROR,
+                             detail=f"deciding whether it supports the case failed:\n"
+                                    f"{_traceback()}")
     if reason is not None:
         return BackendResult(backend.name, Status.UNSUPPORTED, detail=reason)
     versions = backend.versions()

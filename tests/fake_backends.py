@@ -11,7 +11,7 @@ import os
 import torch
 from difftest.backends.torch_ref import TorchReference
 
-from difftest.backend import Precision, RunInputs
+from difftest.backend import Availability, Precision, RunInputs
 from difftest.case import Case
 
 
@@ -54,3 +54,76 @@ class Crasher(Rounded):
 
 
 DIFFTEST_BACKENDS = [Rounded, Perturbed, Crasher]
+
+
+class ProbeRaises(Rounded):
+    """Its availability probe raises, as a driver query on a broken image does."""
+
+    name = "probe-raises"
+
+    def availability(self) -> Availability:
+        """Raise."""
+        raise RuntimeError("driver query failed: /dev/kfd unreadable")
+
+
+class VersionsRaise(Rounded):
+    """Available, but ``versions()`` raises, as vLLM without its compiled extension does."""
+
+    name = "versions-raise"
+
+    def versions(self) -> dict[str, str]:
+        """Raise."""
+        raise ModuleNotFoundError("No module named 'vllm._C_stable_libtorch'")
+
+
+class SupportRaises(Rounded):
+    """Deciding whether it supports a case raises (a prepare-stage fault)."""
+
+    name = "support-raises"
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """Raise."""
+        raise KeyError("capability table has no entry for this head count")
+
+
+class CacheFails(Rounded):
+    """Asks for a cache in an in-page order that does not exist (a prepare-stage fault)."""
+
+    name = "cache-fails"
+    in_page_orders = ("no-such-order",)
+
+
+class RunRaises(Rounded):
+    """Its kernel raises."""
+
+    name = "run-raises"
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """Raise."""
+        raise RuntimeError("HIP error: invalid device function")
+
+
+class PrecisionRaises(Rounded):
+    """Declaring its precision raises, so its output cannot be compared."""
+
+    name = "precision-raises"
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """Raise."""
+        raise ValueError("no precision declared for this dtype")
+
+
+class NotATensor(Rounded):
+    """Returns a list instead of a tensor, so its output cannot be compared."""
+
+    name = "not-a-tensor"
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """A list."""
+        return [0.0]  # type: ignore[return-value]
+
+
+# Loaded as ``--plugin fakes.py:FAULTY_BACKENDS`` by tests/test_fault_isolation.py: one working
+# backend beside one fault at each stage.
+FAULTY_BACKENDS = [Rounded, ProbeRaises, VersionsRaise, SupportRaises, CacheFails, RunRaises,
+                   PrecisionRaises, NotATensor]
