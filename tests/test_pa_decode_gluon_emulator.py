@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import math
 import re
+import subprocess
 import sys
 import types
 from collections.abc import Callable
@@ -555,6 +557,38 @@ def test_preconditions_raise_aiters_messages(name: str) -> None:
     with pytest.raises(AssertionError) as excinfo:
         make_pa_decode_gluon("v0.1.20")(**_base_args(**overrides))
     assert str(excinfo.value) == message
+
+
+def test_preconditions_are_explicit_raises_that_survive_python_O() -> None:
+    """pytest rewrites the asserts of our installed distribution and -O drops them, so no
+    part of the emulator may use an ``assert`` statement for AITER's preconditions."""
+    from difftest.backends import (
+        pa_decode_gluon_contract,
+        pa_decode_gluon_emulator,
+        pa_decode_gluon_fake_aiter,
+        pa_decode_gluon_numerics,
+    )
+
+    for module in (pa_decode_gluon_contract, pa_decode_gluon_emulator,
+                   pa_decode_gluon_fake_aiter, pa_decode_gluon_numerics):
+        tree = ast.parse(Path(module.__file__).read_text())
+        lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+        assert not lines, f"{module.__name__}: assert statements on lines {lines}"
+    script = (
+        "import torch\n"
+        "from difftest.backends.pa_decode_gluon_emulator import make_pa_decode_gluon\n"
+        "q = torch.zeros(20, 4, 64, dtype=torch.bfloat16)\n"
+        "kv = torch.zeros(2, 1, 8, 16, 8, dtype=torch.bfloat16)\n"
+        "try:\n"
+        "    make_pa_decode_gluon()(torch.empty_like(q), q, kv, kv, torch.ones(4), "
+        "torch.zeros(4, 1), 0.1, 5, 1)\n"
+        "except AssertionError as exc:\n"
+        "    print('AssertionError:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.strip() == "AssertionError: query_length == 5 exceeds maximum of 4", (
+        done.stdout + done.stderr)
 
 
 def test_fp8_flavour_follows_arch() -> None:
