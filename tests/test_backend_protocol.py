@@ -1,0 +1,73 @@
+"""The Backend protocol's optional capabilities are declared types, checked by type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from difftest.backends.aiter_gluon import AiterGluon
+from difftest.backends.torch_ref import TorchReference
+
+from difftest.backend import Backend, ConfigurableBackend, ReferenceBackend
+from difftest.registry import RegistryError, load_plugin
+from difftest.session import Session
+
+PLAIN_PLUGIN = '''
+from difftest.backends.torch_ref import TorchReference
+
+
+class Plain:
+    """A backend with the protocol's required members only."""
+
+    name = "plain"
+    in_page_orders = ()
+    _ref = TorchReference()
+
+    def availability(self):
+        return self._ref.availability()
+
+    def unsupported_reason(self, case, device):
+        return None
+
+    def precision(self, case, device):
+        return self._ref.precision(case, device)
+
+    def empty_row_output(self, case):
+        return self._ref.empty_row_output(case)
+
+    def versions(self):
+        return {}
+
+    def run(self, inputs):
+        return self._ref.run(inputs)
+
+
+DIFFTEST_BACKENDS = [Plain()]
+'''
+
+
+@pytest.fixture
+def plain_plugin(tmp_path: Path) -> str:
+    path = tmp_path / "plain_plugin.py"
+    path.write_text(PLAIN_PLUGIN)
+    return str(path)
+
+
+def test_capabilities_are_recognised_by_type(plain_plugin: str) -> None:
+    [plain] = load_plugin(plain_plugin)
+    reference, configurable = TorchReference(), AiterGluon(True)
+    assert all(isinstance(b, Backend) for b in (reference, configurable, plain))
+    assert isinstance(reference, ReferenceBackend)
+    assert not isinstance(reference, ConfigurableBackend)
+    assert isinstance(configurable, ConfigurableBackend)
+    assert not isinstance(configurable, ReferenceBackend)
+    assert not isinstance(plain, (ReferenceBackend, ConfigurableBackend))
+    assert configurable.with_options({"k_trim": "off"}).versions()["k_trim"] == "off"
+
+
+def test_a_backend_without_reference_cannot_be_the_reference(tmp_path: Path,
+                                                             plain_plugin: str) -> None:
+    with pytest.raises(RegistryError, match=r"'plain' cannot serve as the reference "
+                                            r"\(it has no reference\(\) method\)"):
+        Session.create([], plugins=[plain_plugin], device="cpu", artifacts=str(tmp_path),
+                       reference="plain")
