@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +26,74 @@ from difftest.registry import split_names
 EXIT_UNREADABLE = 2
 
 
+def _count(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (allowed: an integer "
+                                         ">= 0)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative (allowed: an integer >= 0)")
+    return value
+
+
+def _at_least(low: float) -> Callable[[str], float]:
+    """argparse type: a finite number >= ``low``."""
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"{text!r} is not allowed (allowed: a finite "
+                                             f"number >= {low:g})")
+        return value
+    return number
+
+
+def _output_file(text: str) -> str:
+    """argparse type: a file path that can be written (not a directory, nor under a file)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory (allowed: a file path)")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a file, not a directory")
+    return text
+
+
+def _directory(text: str) -> str:
+    """argparse type: a directory path (existing or not), not a file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file (allowed: a directory)")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a file, not a directory")
+    return text
+
+
+def _backend_names(text: str) -> list[str]:
+    """argparse type: ``a,b[k=v,k2=v2],c`` as names (see :func:`difftest.registry.split_names`)."""
+    names = split_names(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no backend (allowed: comma-separated "
+                                         "backend names)")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {twice[0]!r} twice")
+    return names
+
+
 def _add_session_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE:ATTR|FILE.py",
                         help="load extra backends (repeatable)")
     parser.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                         help="where kernels run (auto: a GPU if one is visible)")
     parser.add_argument("--reference", default="torch-ref", help="the reference backend")
-    parser.add_argument("--artifacts", default=DEFAULT_ROOT,
+    parser.add_argument("--artifacts", default=DEFAULT_ROOT, type=_directory,
                         help="directory for pending cases and failure artifacts")
-
-
-def _backend_list(text: str | None) -> list[str] | None:
-    return None if text is None else split_names(text)
 
 
 class Progress:
@@ -93,7 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ShardError as exc:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    session = Session.create(_backend_list(args.backends), args.plugin, args.device,
+    session = Session.create(args.backends, args.plugin, args.device,
                              args.artifacts, args.reference)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
     case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(args.examples,
@@ -126,21 +183,20 @@ def cmd_repro(args: argparse.Namespace) -> int:
     """Replay one case on the local backends and show what differs from the recording."""
     from difftest.replay import replay
 
-    return replay(Path(args.path), _backend_list(args.backends), args.plugin, args.device,
+    return replay(Path(args.path), args.backends, args.plugin, args.device,
                   args.reference, args.artifacts, args.report)
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Pin a case (case JSON or artifact directory) into the regression corpus."""
-    from difftest.case import Case
+    from difftest.casefile import read_case
     from difftest.cases.corpus import CORPUS_DIR, promote
 
     path = Path(args.path)
-    case_file = path / "case.json" if path.is_dir() else path
+    case = read_case(path / "case.json" if path.is_dir() else path)
     try:
-        written = promote(Case.from_json(case_file.read_text()), args.name,
-                          args.corpus or CORPUS_DIR)
-    except ValueError as exc:  # the name, or a file that is no case
+        written = promote(case, args.name, args.corpus or CORPUS_DIR)
+    except ValueError as exc:  # the corpus name
         print(f"difftest promote: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     print(f"pinned {written}")
@@ -228,31 +284,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run the corpus plus N generated cases")
     _add_session_options(p)
-    p.add_argument("--backends", help="comma-separated backends (default: all)")
-    p.add_argument("--examples", type=int, default=20, help="generated cases (default 20)")
+    p.add_argument("--backends", type=_backend_names,
+                   help="comma-separated backends (default: all)")
+    p.add_argument("--examples", type=_count, default=20, help="generated cases (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated case set")
     p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
     p.add_argument("--shard", metavar="K/N",
                    help="run only shard K of N (1-based) of the case set, split by case id")
-    p.add_argument("--report", help="write the JSON report here")
+    p.add_argument("--report", type=_output_file, help="write the JSON report here")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("repro", help="replay a failing case on the local backends")
     _add_session_options(p)
     p.add_argument("path", help="failure directory, case JSON or pending case file")
-    p.add_argument("--backends", help="comma-separated backends (default: all)")
-    p.add_argument("--report", help="write the replay as a JSON report here")
+    p.add_argument("--backends", type=_backend_names,
+                   help="comma-separated backends (default: all)")
+    p.add_argument("--report", type=_output_file, help="write the replay as a JSON report here")
     p.set_defaults(func=cmd_repro)
 
     p = sub.add_parser("promote", help="pin a case into the regression corpus")
     p.add_argument("path", help="artifact directory or case JSON")
     p.add_argument("name", help="corpus name (letters, digits, '-', '_', '.')")
-    p.add_argument("--corpus", help="corpus directory (default: cases/corpus)")
+    p.add_argument("--corpus", type=_directory, help="corpus directory (default: cases/corpus)")
     p.set_defaults(func=cmd_promote)
 
     p = sub.add_parser("merge", help="join shard reports into one report")
     p.add_argument("reports", nargs="+", help="reports to join")
-    p.add_argument("-o", "--output", required=True, help="where to write the merged report")
+    p.add_argument("-o", "--output", required=True, type=_output_file,
+                   help="where to write the merged report")
     p.add_argument("--force", action="store_true",
                    help="merge even when fingerprints, configs or backends differ")
     p.set_defaults(func=cmd_merge)
@@ -260,10 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gate", help="fail if CANDIDATE regressed against BASELINE")
     p.add_argument("baseline", help="report of the accepted image")
     p.add_argument("candidate", help="report of the image under review")
-    p.add_argument("--max-ratio-growth", type=float, default=DEFAULT_MAX_RATIO_GROWTH,
+    p.add_argument("--max-ratio-growth", type=_at_least(1.0), default=DEFAULT_MAX_RATIO_GROWTH,
                    metavar="X", help="fail when error/tolerance grew more than X times "
                    "(default %(default)s)")
-    p.add_argument("--ratio-floor", type=float, default=DEFAULT_RATIO_FLOOR, metavar="R",
+    p.add_argument("--ratio-floor", type=_at_least(0.0), default=DEFAULT_RATIO_FLOOR, metavar="R",
                    help="ignore growth while the candidate's error/tolerance <= R "
                    "(default %(default)s)")
     p.add_argument("--all", action="store_true", help="list unchanged rows too")
@@ -271,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="draw error/tolerance and the agreement matrix as a PNG")
     p.add_argument("report", help="a JSON report")
-    p.add_argument("-o", "--output", help="PNG path (default: REPORT with .png)")
+    p.add_argument("-o", "--output", type=_output_file,
+                   help="PNG path (default: REPORT with .png)")
     p.set_defaults(func=cmd_plot)
     return parser
 
@@ -284,13 +344,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend, unreadable file); the message then names what was wrong.
     """
     from difftest.case import CaseError
+    from difftest.casefile import CaseFileError
+    from difftest.platform import VisibilityError
     from difftest.registry import RegistryError
-    from difftest.replay import ReplayError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (RegistryError, CaseError, ReplayError, OSError, json.JSONDecodeError) as exc:
+    except (RegistryError, CaseError, CaseFileError, VisibilityError, OSError,
+            json.JSONDecodeError) as exc:
         print(f"difftest {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
 

@@ -8,20 +8,16 @@ its status now beside the recorded one and whether its output is bit-identical.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from difftest.artifacts import ArtifactStore, repro_command
-from difftest.case import Case
+from difftest.case import Case, CaseError
+from difftest.casefile import CaseFileError, case_from_object, read_case, read_case_json
 
 REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
-
-
-class ReplayError(ValueError):
-    """The replay source cannot be read; the message names the path and the problem."""
 
 
 def report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
@@ -38,22 +34,24 @@ def report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
 
 
 def load_source(path: Path) -> tuple[Case, dict[str, Any] | None, dict[str, Any] | None]:
-    """``(case, recorded case entry, recorded fingerprint)`` from a directory or JSON file."""
+    """``(case, recorded case entry, recorded fingerprint)`` from a failure directory, a case
+    file or a pending file; :class:`~difftest.casefile.CaseFileError` names what is wrong."""
+    if path.is_dir():
+        recorded = path / "results.json"
+        environment = path / "fingerprint.json"
+        return (read_case(path / "case.json"),
+                read_case_json(recorded) if recorded.is_file() else None,
+                read_case_json(environment) if environment.is_file() else None)
+    payload = read_case_json(path)
+    if isinstance(payload, dict) and "case" in payload and "pid" in payload:  # a pending file
+        try:
+            return case_from_object(payload["case"]), None, payload.get("environment")
+        except CaseError as exc:
+            raise CaseFileError(f"{path}: case.{exc}") from exc
     try:
-        if path.is_dir():
-            recorded = path / "results.json"
-            environment = path / "fingerprint.json"
-            return (Case.from_json((path / "case.json").read_text()),
-                    json.loads(recorded.read_text()) if recorded.is_file() else None,
-                    json.loads(environment.read_text()) if environment.is_file() else None)
-        payload = json.loads(path.read_text())
-        if isinstance(payload, dict) and "case" in payload and "pid" in payload:
-            return Case.from_dict(payload["case"]), None, payload.get("environment")  # pending
-        if not isinstance(payload, dict):
-            raise ValueError(f"holds a JSON {type(payload).__name__}, not a case object")
-        return Case.from_dict(payload), None, None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ReplayError(f"cannot read {path}: {exc}") from exc
+        return case_from_object(payload), None, None
+    except CaseError as exc:
+        raise CaseFileError(f"{path}: {exc}") from exc
 
 
 def _environment_line(info: dict[str, Any]) -> str:
@@ -100,8 +98,8 @@ def replay(path: Path, backend_names: list[str] | None, plugins: Sequence[str], 
            reference: str, artifacts: str, report: str | None = None) -> int:
     """Replay the case at ``path``, print what differs from the recording; 1 if it fails.
 
-    Raises :class:`ReplayError` (before anything is run or written) when ``path`` is not a
-    readable case, failure directory or pending file.
+    Raises :class:`~difftest.casefile.CaseFileError` (before anything is run or written) when
+    ``path`` is not a readable case, failure directory or pending file.
     """
     from difftest.report import build_report, write_report
     from difftest.session import Session
