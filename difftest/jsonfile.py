@@ -1,0 +1,127 @@
+"""Strict JSON (RFC 8259) files, written atomically, and checked reading.
+
+Python's ``json`` writes non-finite floats as the bare tokens ``Infinity``, ``-Infinity`` and
+``NaN``, which strict parsers (jq, browsers) reject. :func:`write_json` writes them as the
+strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` instead (docs/report-schema.md,
+"Strict JSON"); the readers of numeric fields turn them back with :func:`number`.
+:func:`read_json` still accepts the bare tokens, so reports written before read as before.
+
+:func:`write_json` (and :func:`write_text`) write the whole text to a temporary file in the
+target's directory, fsync it and rename it over the target: a reader, or a process killed
+mid-write, sees the old file or the new one, never a part. :func:`append_json_line` adds one
+strict line to a JSON-lines log.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+NONFINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+class JSONFileError(ValueError):
+    """A JSON file cannot be read: missing, unreadable, empty, truncated or not JSON."""
+
+
+def encode_nonfinite(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by its string name (recursively)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: encode_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode_nonfinite(v) for v in value]
+    return value
+
+
+def dumps(value: Any, indent: int | None = None) -> str:
+    """RFC 8259 JSON text of ``value``, non-finite floats as their string names."""
+    return json.dumps(encode_nonfinite(value), allow_nan=False, indent=indent)
+
+
+def number(value: Any, where: str) -> float:
+    """A numeric field's value: a JSON number, or one of the strings of :data:`NONFINITE`.
+
+    Raises ``ValueError`` naming ``where`` (the file and the field) for anything else.
+    """
+    if isinstance(value, str) and value in NONFINITE:
+        return NONFINITE[value]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{where}: expected a number (or one of "
+                         f"{', '.join(map(repr, NONFINITE))}), got {value!r:.80}")
+    return float(value)
+
+
+def write_text(path: Path | str, text: str) -> Path:
+    """Replace ``path`` by a file holding ``text``, atomically (temporary file in the same
+    directory, fsync, rename); the directory is created when missing."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_json(path: Path | str, value: Any, indent: int | None = 1) -> Path:
+    """:func:`write_text` of the strict JSON of ``value`` and a final newline.
+
+    The text is built before the file is touched, so a value that cannot be encoded leaves
+    the previous file as it was.
+    """
+    return write_text(path, dumps(value, indent) + "\n")
+
+
+def append_json_line(path: Path | str, value: Any) -> None:
+    """Append ``value`` as one strict JSON line to ``path`` (flushed; directory created)."""
+    line = dumps(value) + "\n"
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target, "a") as fh:
+        fh.write(line)
+
+
+def loads(text: str, where: str) -> Any:
+    """Parse JSON ``text`` (strict, or with the bare non-finite tokens of older files);
+    :class:`JSONFileError` names ``where`` and says what is wrong."""
+    if not text.strip():
+        raise JSONFileError(f"{where}: empty (not JSON)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        cut = " (the file looks truncated)" if exc.pos >= len(text.rstrip()) else ""
+        raise JSONFileError(f"{where}: not JSON: {exc.msg} at line {exc.lineno} column "
+                            f"{exc.colno}{cut}") from exc
+
+
+def read_json(path: Path | str) -> Any:
+    """Parse a JSON file; :class:`JSONFileError` names the file and what is wrong."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise JSONFileError(f"{path}: not JSON (not UTF-8 text: {exc.reason})") from exc
+    return loads(text, str(path))
+
+
+def read_json_lines(path: Path | str) -> list[Any]:
+    """Every non-blank line of a JSON-lines file, parsed; errors name the file and line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    return [loads(line, f"{path} line {n}")
+            for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
