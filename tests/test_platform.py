@@ -6,6 +6,7 @@ The hosts are faked by pointing :mod:`difftest.platform` at driver directories b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from difftest.platform import CUDA, HIP, ROCR, VisibilityError
 
 
 @pytest.fixture
-def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, int], None]:
     """Make a fake host: ``host("nvidia", 4)`` or ``host("amd", 2)``, no mask set."""
     for var in (*platform.VISIBILITY_VARS, pinning.FAKE_GPUS_ENV):
         monkeypatch.delenv(var, raising=False)
