@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from difftest import devices, platform
 from difftest.platform import VisibilityError, runner_mask
 
-__all__ = ["FAKE_GPUS_ENV", "PinningError", "assign", "describe", "detect", "runner_mask"]
+__all__ = ["FAKE_GPUS_ENV", "PinningError", "VisibilityError", "assign", "describe", "detect",
+           "runner_mask"]
 
 FAKE_GPUS_ENV = "DIFFTEST_FAKE_GPUS"
 
