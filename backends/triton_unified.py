@@ -64,7 +64,9 @@ class TritonUnifiedAttention:
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 queries under the interpreter; e4m3fnuz on NVIDIA GPUs."""
+        """bf16 queries under the interpreter; e4m3fnuz on NVIDIA GPUs; on releases before
+        ``kv_quant_mode`` (which cast only fp8 K/V to the query dtype), mixed 16/32-bit
+        dtypes."""
         if device.type == "cpu" and not self.allow_interpreter_bf16 and (
             case.query_dtype == "bfloat16"
         ):
@@ -73,7 +75,17 @@ class TritonUnifiedAttention:
             devices.gpu_vendor() == "nvidia"
         ):
             return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype and not self._casts_kv():
+            version = self.release.version if self.release else vllm_version()
+            return (f"vLLM {version}'s unified_attention has no kv_quant_mode and casts only "
+                    f"fp8 K/V to the query dtype: a {case.kv_dtype} cache needs "
+                    f"{case.kv_dtype} queries (tl.dot rejects {case.query_dtype} x "
+                    f"{case.kv_dtype})")
         return None
+
+    def _casts_kv(self) -> bool:
+        """Whether the kernel casts every K/V tile to the query dtype (``kv_quant_mode``)."""
+        return "kv_quant_mode" in inspect.signature(self._kernel()).parameters
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """K/V dequantised to the query dtype; fp32 dots use tf32 on GPUs."""
@@ -137,7 +149,7 @@ class TritonUnifiedAttention:
             k_descale=k_scale if fp8 else None,
             v_descale=v_scale if fp8 else None,
         )
-        if "kv_quant_mode" in inspect.signature(unified_attention).parameters:
+        if self._casts_kv():
             modes = unified_attention.__globals__["KVQuantMode"]
             arguments["kv_quant_mode"] = modes.FP8_PER_TENSOR if fp8 else modes.NONE
         unified_attention(**arguments)

@@ -20,7 +20,12 @@ Its documented quirks are declared, never hidden (docs/findings.md F3-F6):
 * for a bf16/fp16 cache the query must have the cache's dtype (``tl.dot`` of q and K; only
   fp8 K/V are cast to the query dtype);
 * rows that attend nothing are NaN ("All-empty padded rows may still produce NaNs in merge"):
-  declared undefined.
+  declared undefined;
+* it has no logit softcap and no sliding window: cases with either are unsupported.
+
+``vllm-triton-sparse[vllm=0.31.0]`` (or ``vllm=/path/to/tree``) runs that release's
+``sparse_attn.py`` instead of the venv's (:mod:`difftest.backends.vllm_release`); releases
+without the MiniMax-M3 decode are unavailable, with the reason.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from difftest.backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
+from difftest.backends.vllm_release import Release, resolve
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
@@ -55,6 +61,7 @@ INTERPRETER_BF16_FINDING = (
     "minimax_m3_sparse_attn_decode (pinned finding F3, tests/test_vllm_triton_sparse.py); "
     "bfloat16 runs on GPUs"
 )
+KERNEL_FILE = "models/minimax_m3/common/ops/sparse_attn.py"
 OPTIONS = OptionSpec("vllm-triton-sparse", {"irregular": ("refuse", "accept"),
                                             "interpreter_bf16": ("refuse", "accept")})
 
@@ -79,19 +86,34 @@ class VllmTritonSparse:
     in_page_orders = ("plain",)
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
-        self.options = OPTIONS.parse(options or {})
-        self.name = OPTIONS.name(self.options)
+        options = dict(options or {})
+        spec = options.pop("vllm", None)
+        self.release: Release | None = resolve(spec) if spec else None
+        self.options = OPTIONS.parse(options)
+        name = OPTIONS.name(self.options)
+        if spec:  # a free-form value: listed after the others, as given
+            name = (f"{name[:-1]},vllm={spec}]" if name.endswith("]")
+                    else f"{name}[vllm={spec}]")
+        self.name = name
 
     def with_options(self, options: Mapping[str, str]) -> VllmTritonSparse:
-        """The same backend configured by ``options`` (relative to the defaults)."""
+        """The same backend configured by ``options`` (relative to the defaults);
+        ``vllm=<version or path>`` names the vLLM release whose decode runs."""
         return VllmTritonSparse(options)
 
     def availability(self) -> Availability:
-        """Needs vLLM, and a GPU or the Triton interpreter."""
+        """Needs vLLM (a named release must have the decode), and a GPU or the interpreter."""
+        if self.release is not None and self.release.find(KERNEL_FILE) is None:
+            return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
+                                f"has no MiniMax-M3 sparse decode ({KERNEL_FILE})")
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """Irregular selections, interpreted bf16, mixed non-fp8 dtypes, fnuz on NVIDIA."""
+        """Kernel modes, irregular selections, interpreted bf16, mixed non-fp8 dtypes, fnuz
+        on NVIDIA."""
+        if case.kernel_modes:
+            return (f"{' and '.join(case.kernel_modes)}: minimax_m3_sparse_attn_decode has no "
+                    "such mode")
         if self.options["irregular"] == "refuse" and not selection_is_canonical(case):
             return IRREGULAR_FINDING
         if (device.type == "cpu" and case.query_dtype == "bfloat16"
@@ -119,14 +141,26 @@ class VllmTritonSparse:
         """vLLM's version, path and loading; Triton's, and whether it is interpreted."""
         import triton
 
+        versions = {"triton": triton.__version__,
+                    "triton_interpret": str(devices.interpreted()), **self.options}
+        if self.release is not None:
+            return {"vllm": self.release.version, "vllm_path": str(self.release.package),
+                    "vllm_loading": f"{KERNEL_FILE} executed under "
+                    f"{self.release.module_prefix}; vllm.platforms and triton_utils from the "
+                    f"venv's vLLM {vllm_version()}", **versions}
         import_minimax_m3("common.ops.sparse_attn")
         return {"vllm": vllm_version(), "vllm_path": vllm_location(),
-                "vllm_loading": minimax_m3_loading(), "triton": triton.__version__,
-                "triton_interpret": str(devices.interpreted()), **self.options}
+                "vllm_loading": minimax_m3_loading(), **versions}
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``minimax_m3_sparse_attn_decode`` call over every query row."""
-        sparse_attn = import_minimax_m3("common.ops.sparse_attn")
+        if self.release is None:
+            sparse_attn = import_minimax_m3("common.ops.sparse_attn")
+        else:
+            kernel = self.release.find(KERNEL_FILE)
+            if kernel is None:
+                raise RuntimeError(self.availability().reason)
+            sparse_attn = self.release.load(kernel)
         case = inputs.case
         cache = inputs.cache("plain")
         sides = [block_sides(view, cache.block_page_stride, case.num_blocks, case.block_size)
