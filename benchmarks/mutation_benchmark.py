@@ -78,9 +78,13 @@ CPU_AITER_BATCHES = (3,)  # AITER's batch 81 costs 20-80 s per interpreted kerne
 
 
 def case_size(case: Case) -> dict[str, int]:
-    """The size of a case: requests, query tokens per request, context tokens, cache blocks."""
+    """The size of a case: requests, query tokens per request, context tokens, cache blocks,
+    block-table entries, selected lanes (not ``-1``) and the sum of the physical block ids."""
     return {"requests": case.batch, "query_tokens": case.decode_query_len,
-            "context_tokens": sum(case.seq_lens), "blocks": case.num_blocks}
+            "context_tokens": sum(case.seq_lens), "blocks": case.num_blocks,
+            "table_entries": sum(len(t) for t in case.block_tables),
+            "selected": sum(b != -1 for row in case.selections for b in row),
+            "block_id_sum": sum(b for t in case.block_tables for b in t)}
 
 
 def describe_size(size: dict[str, int] | None) -> str:
@@ -104,6 +108,7 @@ class Outcome:
     status: str = ""
     case_id: str = ""
     size: dict[str, int] | None = None
+    first_size: dict[str, int] | None = None
     shrink_runs: int = 0
     note: str = ""
 
@@ -156,7 +161,8 @@ class _Killed(Exception):
 
 def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
          limits: Limits) -> Outcome:
-    """Our strategies against one mutant: examples and seconds to the first kill, shrunk size.
+    """Our strategies against one mutant: examples and seconds to the first kill, the first
+    killing case's size and the shrunk one's.
 
     After the first kill Hypothesis shrinks; once ``limits.shrink_runs`` kernel runs are spent,
     new candidates pass without running, so the shrink ends with the smallest case found.
@@ -196,6 +202,7 @@ def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
         if not outcome.killed:
             outcome.killed, outcome.status = True, result.status.value
             outcome.seconds = time.perf_counter() - start
+            outcome.first_size = case_size(case)
         return result.status.value
 
     try:

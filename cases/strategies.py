@@ -1,36 +1,54 @@
 """Hypothesis strategies for MiniMax-M3 sparse decode cases.
 
-Each strategy draws a few small numbers and a seed, then builds the data from the seed, so
-Hypothesis shrinks toward small, readable cases (one request, seed 0, float16, no flags).
+Every structural choice is a Hypothesis draw: the number of requests, each request's length,
+each physical block id of the block tables (an index into the blocks still free) and each
+lane of the top-k selections (an index into the row's causal blocks still unpicked). So
+Hypothesis shrinks a failing case toward fewer requests, shorter rows and the smallest ids
+(tables ``0, 1, 2, ...``, selections ``0, 1, 2, ...``, one request, float16, no flags). Only
+the tensor data comes from a drawn seed, through the counter-based generator of
+:mod:`difftest.inputs`.
+
 Draws are weighted toward where this family of bugs hides: the last physical block (page ids
 up to ``(N-1)*16+7``, 2039 at 128 blocks) in a block every row attends, block 0, caches large
 enough for page ids past 2**16 (always with their last block attended), tails of 1 and 127
-tokens and exact multiples of 128, empty selections, several query tokens per request, and
-fp8 scales from 1e-3 (stored values at the fp8 maximum) to 1e2.
+tokens and exact multiples of 128, rows longer than top-k 16 x 128 tokens, empty selections,
+several query tokens per request, softmax scales other than ``head_dim**-0.5``, and fp8 scales
+from 1e-3 (stored values at the fp8 maximum) to 1e2.
 """
 
 from __future__ import annotations
 
-import random
+from collections.abc import Callable, Sequence
 
 from hypothesis import strategies as st
 
-from difftest.case import BLOCK_SIZE, DISTRIBUTIONS, KV_LAYOUTS, Case, cdiv
+from difftest.case import (
+    BLOCK_SIZE,
+    DISTRIBUTIONS,
+    HEAD_DIM,
+    KV_LAYOUTS,
+    MAX_NUM_BLOCKS,
+    Case,
+    cdiv,
+)
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
 PAGE_IDS_PAST_2_16 = {"LBHNC": 4097, "LHBNC": 8193}  # smallest cache with a page id > 65536
 SELECTION_MODES = ("indexer", "all", "tail-only", "empty-rows", "irregular")
+MAX_FULL_BLOCKS = 20  # up to 21 blocks per request: rows longer than top-k 16 x 128 tokens
+TOPKS = (1, 2, 3, 4, 8, 16)  # ascending, so a shrink shortens the rows
+Q_HEADS = (1, 8, 16, 64)
+SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
+DtypeCombo = tuple[str, str, str]  # (kv_layout, query_dtype, kv_dtype)
 
 
-def num_blocks(layout: str) -> st.SearchStrategy[int]:
-    """Cache sizes: the report's 128 blocks, small caches, and ones past page id 2**16."""
+def num_blocks(layout: str, max_blocks: int = MAX_NUM_BLOCKS) -> st.SearchStrategy[int]:
+    """Cache sizes: the report's 128 blocks, small caches, and ones past page id 2**16; none
+    above ``max_blocks`` (at least 1)."""
     big = PAGE_IDS_PAST_2_16[layout]
-    return st.one_of(
-        st.just(128),
-        st.integers(1, 160),
-        st.just(512),
-        st.integers(big, big + 64),
-    )
+    ranges = ((128, 128), (1, 160), (512, 512), (big, big + 64))
+    return st.one_of([st.integers(low, min(high, max_blocks)) for low, high in ranges
+                      if low <= max_blocks])
 
 
 def tails() -> st.SearchStrategy[int]:
@@ -44,83 +62,116 @@ def fp8_scales() -> st.SearchStrategy[float]:
     return st.integers(-30, 20).map(lambda e: round(10.0 ** (e / 10), 12))
 
 
-@st.composite
-def seq_lens(draw: st.DrawFn, batch: int, decode_query_len: int, max_blocks: int) -> list[int]:
-    """Per-request lengths whose blocks fit ``max_blocks``; 0 marks a padded request."""
-    lens = []
-    budget = max_blocks
-    for r in range(batch):
-        padded = r > 0 and draw(st.integers(0, 7)) == 0
-        share = max(1, budget - (batch - r - 1))
-        full = draw(st.integers(0, min(share - 1, 20)))
-        length = full * BLOCK_SIZE + draw(tails())
-        length = max(length, decode_query_len)
-        if padded or cdiv(length, BLOCK_SIZE) > budget:
-            lens.append(0)
-            continue
-        lens.append(length)
-        budget -= cdiv(length, BLOCK_SIZE)
-    return lens
+class FreeBlocks:
+    """The physical blocks of a cache of ``n`` not yet in a block table, in ascending order.
 
-
-def _block_tables(rng: random.Random, lens: list[int], n: int, favour_last: bool,
-                  favour_first: bool) -> list[list[int]]:
-    """Distinct physical blocks, uniformly drawn, then moved to the boundaries.
-
-    ``favour_first`` puts block 0 (vLLM's null block) somewhere in the tables. ``favour_last``
-    puts the last physical block where every row looks: logical block 0 of the first request
-    (the indexer's forced init block, full whenever the request is longer than one block), so
-    the highest page ids are really read; a uniform draw from thousands of blocks almost
-    never selects the few past page id 2**16.
+    With ``favour_last``, the first block any request takes is the last one, ``n - 1``.
     """
-    needed = [cdiv(s, BLOCK_SIZE) for s in lens]
-    chosen = rng.sample(range(n), sum(needed))
-    if chosen and favour_first and 0 not in chosen:
-        chosen[rng.randrange(1, len(chosen)) if len(chosen) > 1 else 0] = 0
-    if chosen and favour_last:
-        if n - 1 in chosen:
-            i = chosen.index(n - 1)
-            chosen[0], chosen[i] = chosen[i], chosen[0]
-        else:
-            chosen[0] = n - 1
-    tables, start = [], 0
-    for count in needed:
-        tables.append(chosen[start : start + count])
-        start += count
-    return tables
+
+    def __init__(self, n: int, favour_last: bool) -> None:
+        self.ids = list(range(n - 1 if favour_last else n))
+        self.last = n - 1 if favour_last else None
+        self.requests = 0
+
+    def __len__(self) -> int:
+        return len(self.ids) + (self.last is not None)
 
 
-def _row(rng: random.Random, mode: str, topk: int, abs_pos: int) -> list[int]:
-    if abs_pos < 0 or (mode == "empty-rows" and rng.random() < 0.5):
+@st.composite
+def picks(draw: st.DrawFn, pool: Sequence[int], count: int) -> list[int]:
+    """``count`` distinct items of ``pool``, each an index into the items still unpicked.
+
+    Uniform in generation; a shrink moves every index to 0, i.e. toward ``pool``'s head.
+    """
+    free = list(pool)
+    return [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(min(count, len(free)))]
+
+
+@st.composite
+def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int, mode: str,
+            max_batch: int) -> tuple[int, list[int], list[list[int]]]:
+    """One request, drawn in one piece: ``(seq_len, block table, selection rows)``.
+
+    Its length fits the blocks still free, keeping one for each request that may follow
+    (up to ``max_batch``); 0 marks a padded request (one in eight, never the first; a shrink
+    unpads it). Its table takes free blocks (the last block first where favoured); a shrink
+    moves them toward 0, 1, 2, ...
+    """
+    r = free.requests
+    free.requests += 1
+    padded = r > 0 and draw(st.integers(0, 7)) == 7
+    budget = len(free)
+    share = max(1, budget - (max_batch - r - 1))
+    full = draw(st.integers(0, min(share - 1, MAX_FULL_BLOCKS)))
+    length = max(full * BLOCK_SIZE + draw(tails()), decode_query_len)
+    needed = cdiv(length, BLOCK_SIZE)
+    if padded or needed > budget:
+        return 0, [], [[-1] * topk for _ in range(decode_query_len)]
+    table = []
+    for _ in range(needed):
+        # drawn even for the favoured last block, so that unfavouring it keeps the draws
+        # that follow in place and a shrink can reach block 0
+        at = draw(st.integers(0, len(free.ids) - 1)) if free.ids else 0
+        table.append(free.last if free.last is not None else free.ids.pop(at))
+        free.last = None
+    rows = [draw(selection_row(mode, topk, length - decode_query_len + i))
+            for i in range(decode_query_len)]
+    return length, table, rows
+
+
+@st.composite
+def with_block_zero(draw: st.DrawFn, tables: list[list[int]], skip_first: bool) -> None:
+    """Put block 0 (vLLM's null block) at a drawn place of ``tables`` if it is in none;
+    ``skip_first`` keeps the favoured last block at the first table's head."""
+    slots = [(r, lb) for r, t in enumerate(tables) for lb in range(len(t))]
+    if skip_first and slots:
+        slots.pop(0)
+    if slots and not any(0 in t for t in tables):
+        r, lb = draw(st.sampled_from(slots))
+        tables[r][lb] = 0
+
+
+@st.composite
+def selection_row(draw: st.DrawFn, mode: str, topk: int, abs_pos: int) -> list[int]:
+    """One query row's ``topk`` logical block ids (``-1`` padding) under ``mode``."""
+    if abs_pos < 0 or (mode == "empty-rows" and draw(st.booleans())):
         return [-1] * topk
     self_blk = abs_pos // BLOCK_SIZE
-    causal = list(range(self_blk + 1))
+    count = min(topk, self_blk + 1)
     if mode == "tail-only":
         picked = [self_blk]
     elif mode == "all":
-        picked = rng.sample(causal, min(topk, len(causal)))
-    else:  # indexer: forced init block 0 and local block first, then random others
-        count = min(topk, len(causal))
+        picked = draw(picks(range(self_blk + 1), count))
+    else:  # indexer: forced init block 0 and local block first, then drawn others
         forced = [0] + ([self_blk] if self_blk else [])
-        others = [b for b in causal if b not in forced]
-        picked = (forced + rng.sample(others, max(0, count - len(forced))))[:count]
+        others = range(1, self_blk)
+        picked = (forced + draw(picks(others, max(0, count - len(forced)))))[:count]
     if mode == "irregular":
-        picked = _irregular(rng, picked, topk, self_blk)
+        picked = draw(irregular(picked, topk, self_blk))
     return (picked + [-1] * topk)[:topk]
 
 
-def _irregular(rng: random.Random, picked: list[int], topk: int, self_blk: int) -> list[int]:
+@st.composite
+def irregular(draw: st.DrawFn, picked: list[int], topk: int, self_blk: int) -> list[int]:
     """Duplicates, -1 holes and blocks past the causal limit, as a buggy indexer might emit."""
     row = list(picked)
-    for _ in range(rng.randint(1, 3)):
-        kind = rng.choice(("duplicate", "hole", "future"))
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(("duplicate", "hole", "future")))
+        at = draw(st.integers(0, len(row)))
         if kind == "duplicate" and row:
-            row.insert(rng.randrange(len(row) + 1), rng.choice(row))
+            row.insert(at, draw(st.sampled_from(row)))
         elif kind == "hole":
-            row.insert(rng.randrange(len(row) + 1), -1)
+            row.insert(at, -1)
         else:
-            row.insert(rng.randrange(len(row) + 1), self_blk + rng.randint(1, 3))
+            row.insert(at, self_blk + draw(st.integers(1, 3)))
     return row[:topk]
+
+
+def dtype_combos(layouts: Sequence[str] = KV_LAYOUTS,
+                 query_dtypes: Sequence[str] = QUERY_DTYPES,
+                 kv_dtypes: Sequence[str] = KV_DTYPES) -> tuple[DtypeCombo, ...]:
+    """Every ``(kv_layout, query_dtype, kv_dtype)`` of the given axes, in their order."""
+    return tuple((lay, q, kv) for lay in layouts for q in query_dtypes for kv in kv_dtypes)
 
 
 @st.composite
@@ -133,29 +184,58 @@ def cases(
     selection_modes: tuple[str, ...] = SELECTION_MODES,
     max_batch: int = 4,
     max_topk: int = 16,
+    max_blocks: int = MAX_NUM_BLOCKS,
+    combos: Sequence[DtypeCombo] | None = None,
+    accept: Callable[[Case], bool] | None = None,
+    redraws: int = 4,
 ) -> Case:
-    """A valid case; restrict dtypes, layouts or selection modes to fit a backend."""
-    layout = draw(st.sampled_from(layouts))
-    q_dtype = draw(st.sampled_from(query_dtypes))
-    kv_dtype = draw(st.sampled_from(kv_dtypes))
-    n = draw(num_blocks(layout))
+    """A valid case; restrict dtypes, layouts or selection modes to fit a backend, or the
+    batch, top-k and cache size to keep a test cheap.
+
+    ``combos`` narrows the ``(kv_layout, query_dtype, kv_dtype)`` triples further (the ones
+    the chosen backends support: :func:`difftest.cases.capabilities.cases_for`). ``accept``
+    rejects a drawn case, which is then drawn again, up to ``redraws`` more times (the last
+    draw is returned whatever ``accept`` says).
+    """
+    allowed = [c for c in dtype_combos(layouts, query_dtypes, kv_dtypes)
+               if combos is None or c in combos]
+    if not allowed:
+        raise ValueError("cases: no (kv_layout, query_dtype, kv_dtype) is left: allowed "
+                         f"layouts {layouts}, query dtypes {query_dtypes}, KV dtypes "
+                         f"{kv_dtypes}, combos {tuple(combos or ())}")
+    one_case = _case(allowed, selection_modes, max_batch, max_topk, max_blocks)
+    for _ in range(redraws if accept is not None else 0):
+        case = draw(one_case)
+        if accept is not None and accept(case):
+            return case
+    return draw(one_case)
+
+
+@st.composite
+def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple[str, ...],
+          max_batch: int, max_topk: int, max_blocks: int) -> Case:
+    layout = draw(st.sampled_from(sorted({c[0] for c in allowed}, key=KV_LAYOUTS.index)))
+    q_dtype = draw(st.sampled_from([q for q in QUERY_DTYPES
+                                    if any(c[:2] == (layout, q) for c in allowed)]))
+    kv_dtype = draw(st.sampled_from([kv for kv in KV_DTYPES
+                                     if (layout, q_dtype, kv) in allowed]))
+    n = draw(num_blocks(layout, max_blocks))
     dql = draw(st.integers(1, 4))
-    batch = draw(st.integers(1, max_batch))
-    lens = draw(seq_lens(batch, dql, n))
-    if all(s == 0 for s in lens):
-        lens[0] = max(dql, 1)
-    topk = draw(st.sampled_from([t for t in (16, 1, 2, 4, 8, 3) if t <= max_topk]))
+    topk = draw(st.sampled_from([t for t in TOPKS if t <= max_topk]))
     mode = draw(st.sampled_from(selection_modes))
-    # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended.
+    # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended:
+    # the last block goes where every row looks, logical block 0 of the first request (the
+    # indexer's forced init block, full whenever the request is longer than one block); a
+    # uniform draw from thousands of blocks almost never selects the few past page id 2**16.
     favour_last = n >= PAGE_IDS_PAST_2_16[layout] or draw(st.booleans())
-    favour_first = draw(st.booleans())
-    layout_seed = draw(st.integers(0, 2**32 - 1))
-    rng = random.Random(layout_seed)
-    tables = _block_tables(rng, lens, n, favour_last, favour_first)
-    rows = []
-    for s in lens:
-        for i in range(dql):
-            rows.append(_row(rng, mode, topk, s - dql + i if s else -1))
+    free = FreeBlocks(n, favour_last)
+    requests = draw(st.lists(request(free, dql, topk, mode, max_batch), min_size=1,
+                             max_size=max_batch))
+    lens = [length for length, _, _ in requests]
+    tables = [table for _, table, _ in requests]
+    rows = [row for _, _, request_rows in requests for row in request_rows]
+    if draw(st.booleans()):
+        draw(with_block_zero(tables, skip_first=favour_last))
     fp8 = kv_dtype in FP8_DTYPES
     k_scale = draw(fp8_scales()) if fp8 else 1.0
     v_scale = draw(fp8_scales()) if fp8 else 1.0
@@ -165,11 +245,12 @@ def cases(
         block_tables=tuple(tuple(t) for t in tables),
         selections=tuple(tuple(r) for r in rows),
         decode_query_len=dql,
-        num_q_heads=draw(st.sampled_from([16, 8, 1, 64])),
+        num_q_heads=draw(st.sampled_from(Q_HEADS)),
         query_dtype=q_dtype,
         kv_dtype=kv_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
+        softmax_scale=draw(st.sampled_from(SOFTMAX_SCALES)),
         kv_layout=layout,
         distribution=draw(st.sampled_from(DISTRIBUTIONS)),
         seed=draw(st.integers(0, 2**32 - 1)),

@@ -1,0 +1,170 @@
+"""The case strategies: failing cases shrink in their tables and selections, the boundary bias
+holds, and capability-aware generation draws only what every chosen backend runs.
+
+The shrink tests hunt mutants planted on the emulated ``pa_decode_gluon`` (pure torch, fast on
+the CPU) with the mutation benchmark's own hunt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+from difftest.backends.aiter_gluon import AiterGluon
+from difftest.cases.capabilities import Capabilities, cases_for
+from difftest.cases.generate import generated_cases
+from difftest.cases.strategies import PAGE_IDS_PAST_2_16, cases
+from hypothesis import find, settings
+
+from benchmarks.mutation_benchmark import FULL, hunt
+from difftest.backend import Availability
+from difftest.case import BLOCK_SIZE, Case
+from difftest.registry import discover, select
+from difftest.sparse_table import build_rows, selection_is_canonical
+from mutants.catalog import MUTATIONS
+from mutants.injection import MutantBackend
+
+CPU = torch.device("cpu")
+MUTATION = {m.name: m for m in MUTATIONS}
+SMALL = dict(query_dtypes=("float16",), kv_dtypes=("float16",), max_blocks=512)
+
+
+def _entries(size: dict[str, int]) -> tuple[int, int]:
+    return size["requests"], size["table_entries"]
+
+
+def _hunt(mutation: str, **strategy: object) -> object:
+    mutant = MutantBackend(AiterGluon(emulated=True), MUTATION[mutation])
+    limits = dataclasses.replace(FULL, examples=40, shrink_runs=80)
+    outcome = hunt(mutant, cases(**strategy), CPU, limits)  # type: ignore[arg-type]
+    assert outcome.killed, f"{mutant.name} survived {outcome.examples} examples"
+    return outcome
+
+
+def test_failing_case_shrinks_to_fewer_requests_and_table_entries() -> None:
+    outcome = _hunt("causal-limit-plus-one", **SMALL)
+    first, shrunk = _entries(outcome.first_size), _entries(outcome.size)  # type: ignore[attr-defined]
+    assert shrunk[0] <= first[0] and shrunk[1] <= first[1]
+    assert shrunk < first, f"first failing {first}, shrunk {shrunk}: nothing shrank"
+    assert outcome.size["query_tokens"] == 2  # type: ignore[attr-defined]  # the bug needs two
+
+
+def test_shrink_reaches_the_smallest_block_id_the_bug_needs() -> None:
+    """Stride 8 instead of 16 renumbers every packed page but block 0's: the smallest failing
+    case reads exactly one table entry, block 1."""
+    outcome = _hunt("page-stride-8", layouts=("LBHNC",), **SMALL)
+    size = outcome.size  # type: ignore[attr-defined]
+    assert (size["requests"], size["table_entries"], size["block_id_sum"]) == (1, 1, 1), size
+    assert outcome.first_size["table_entries"] > 1  # type: ignore[attr-defined]
+
+
+def test_tables_and_selections_shrink_to_the_smallest_ids() -> None:
+    quiet = settings(database=None, max_examples=300)
+    two = find(cases(), lambda c: c.batch >= 2 and sum(map(len, c.block_tables)) >= 3,
+               settings=quiet)
+    assert two.batch == 2 and sorted(b for t in two.block_tables for b in t) == [0, 1, 2]
+    wide = find(cases(), lambda c: sum(b != -1 for r in c.selections for b in r) >= 4,
+                settings=quiet)
+    valid = [sorted(b for b in r if b != -1) for r in wide.selections]
+    assert sum(map(len, valid)) == 4
+    assert all(ids == list(range(len(ids))) for ids in valid), wide.selections
+
+
+def test_boundary_bias() -> None:
+    """Where this kernel family's bugs hide, in a fair share of 200 generated cases."""
+    hits: Counter[str] = Counter()
+    drawn = generated_cases(200, 0)
+    for case in drawn:
+        rows = build_rows(case)
+        first = next(t for t in case.block_tables if t)
+        attended = {s.physical_block for r in rows for s in r.segments}
+        large = case.num_blocks >= PAGE_IDS_PAST_2_16[case.kv_layout]
+        hits["last block at the first request's block 0"] += first[0] == case.num_blocks - 1
+        hits["last block attended"] += case.num_blocks - 1 in attended
+        hits["large cache"] += large
+        past_2_16 = max(attended, default=0) * case.block_page_stride > 65535
+        hits["large cache read past page 2**16"] += large and past_2_16
+        hits["tail 1"] += any(s % BLOCK_SIZE == 1 for s in case.seq_lens)
+        hits["tail 127"] += any(s % BLOCK_SIZE == BLOCK_SIZE - 1 for s in case.seq_lens)
+        hits["exact multiple"] += any(s and s % BLOCK_SIZE == 0 for s in case.seq_lens)
+        hits["longer than top-k 16 blocks"] += max(case.seq_lens) > 16 * BLOCK_SIZE
+        hits["several query tokens"] += case.decode_query_len > 1
+        hits["empty row"] += any(not r.segments for r in rows)
+        hits["irregular row"] += not selection_is_canonical(case)
+        hits["top-k 16"] += case.topk == 16
+        hits["model softmax scale"] += case.softmax_scale == case.head_dim**-0.5
+    share = {k: v / len(drawn) for k, v in hits.items()}
+    assert share["last block at the first request's block 0"] >= 0.3, share
+    assert share["last block attended"] >= 0.3, share
+    assert min(share.values()) >= 0.1, share
+    assert hits["large cache read past page 2**16"] >= 0.6 * hits["large cache"], share
+
+
+# ----- capability-aware generation -----------------------------------------------------------
+@dataclasses.dataclass
+class Picky:
+    """A stand-in backend that refuses what ``refuses`` says."""
+
+    name: str
+    refuses: object
+    reason: str
+    available: bool = True
+    in_page_orders: tuple[str, ...] = ("plain",)
+
+    def availability(self) -> Availability:
+        return Availability(self.available, "" if self.available else "no such hardware")
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        return self.reason if self.refuses(case) else None  # type: ignore[operator]
+
+
+NO_BF16 = Picky("no-bf16", lambda c: c.query_dtype == "bfloat16", "bf16 queries miscomputed")
+CANONICAL_ONLY = Picky("canonical-only", lambda c: not selection_is_canonical(c),
+                       "irregular selections refused")
+
+
+def test_draws_only_cases_every_backend_runs_and_says_what_it_left_out() -> None:
+    capabilities = Capabilities.probe([NO_BF16, CANONICAL_ONLY], CPU)
+    drawn = generated_cases(60, 0, capabilities.strategy(max_batch=2, max_topk=4))
+    assert len(drawn) == 60
+    assert all(not capabilities.unsupported_by(c) for c in drawn)
+    assert {c.query_dtype for c in drawn} == {"float32", "float16"}
+    lines = capabilities.lines()
+    assert "not drawn for no-bf16: query bfloat16 x KV any x layout any: bf16 queries " \
+           "miscomputed" in lines, lines
+    assert any(line.startswith("redrawn ") and "canonical-only refuses: irregular" in line
+               for line in lines), lines
+
+
+def test_without_a_common_combination_the_most_supported_ones_are_drawn() -> None:
+    only_fp32 = Picky("fp32-only", lambda c: c.query_dtype != "float32", "fp32 queries only")
+    no_fp32 = Picky("no-fp32", lambda c: c.query_dtype == "float32", "no fp32 queries")
+    gone = Picky("gone", lambda c: False, "", available=False)
+    capabilities = Capabilities.probe([only_fp32, no_fp32, gone], CPU)
+    assert capabilities.combos and all(len(capabilities.unsupported_by(
+        Case(num_blocks=1, seq_lens=(1,), block_tables=((0,),), selections=((0,),),
+             query_dtype=q, kv_dtype=kv, kv_layout=lay))) == 1 for lay, q, kv in
+        capabilities.combos)
+    lines = capabilities.lines()
+    assert "not drawn for gone (unavailable): no such hardware" in lines
+    assert any(line.startswith("no dtype combination suits every backend") for line in lines)
+
+
+@pytest.mark.parametrize("names", [("triton-unified", "vllm-triton-sparse",
+                                    "aiter-gluon@emulated")])
+def test_default_cpu_backends_run_every_drawn_case(names: tuple[str, ...]) -> None:
+    """The README's default CPU run: plain generation leaves a third or more of the cases to
+    fewer backends; capability-aware generation none (checked by the backends' own
+    declarations, without running them)."""
+    backends = [b for b in select(discover(), names) if b.availability().available]
+    if len(backends) != len(names):
+        pytest.skip("a default backend is unavailable here")
+
+    def refused_share(drawn: list[Case]) -> float:
+        return sum(any(b.unsupported_reason(c, CPU) for b in backends) for c in drawn) / len(
+            drawn)
+
+    assert refused_share(generated_cases(50, 0)) >= 0.3
+    assert refused_share(generated_cases(50, 0, cases_for(backends, CPU))) < 0.05
