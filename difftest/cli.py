@@ -21,7 +21,7 @@ from typing import Any
 from difftest.artifacts import DEFAULT_ROOT, repro_command
 from difftest.devices import DEVICE_CHOICES
 from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
-from difftest.registry import split_names
+from difftest.registry import RegistryError, split_names
 
 EXIT_UNREADABLE = 2
 
@@ -76,7 +76,10 @@ def _directory(text: str) -> str:
 
 def _backend_names(text: str) -> list[str]:
     """argparse type: ``a,b[k=v,k2=v2],c`` as names (see :func:`difftest.registry.split_names`)."""
-    names = split_names(text)
+    try:
+        names = split_names(text)
+    except RegistryError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r} names no backend (allowed: comma-separated "
                                          "backend names)")

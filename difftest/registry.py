@@ -259,10 +259,15 @@ class OptionSpec:
 
 
 def split_names(text: str) -> list[str]:
-    """``a,b[k=v,k2=v2],c`` -> ``["a", "b[k=v,k2=v2]", "c"]`` (commas inside ``[...]`` stay)."""
+    """``a,b[k=v,k2=v2],c`` -> ``["a", "b[k=v,k2=v2]", "c"]`` (commas inside ``[...]`` stay).
+
+    Unbalanced brackets are a :class:`RegistryError` quoting the text.
+    """
     names, depth, start = [], 0, 0
     for i, char in enumerate(text + ","):
         depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth < 0 or (i == len(text) and depth):
+            raise RegistryError(f"backend list {text!r}: unbalanced '[' and ']'")
         if char == "," and depth == 0:
             if text[start:i].strip():
                 names.append(text[start:i].strip())
