@@ -6,8 +6,8 @@ failure does not need it), and otherwise biased toward its boundaries:
 * ``softcap``: caps small enough that ``|s / softcap|`` passes 88 (where ``exp`` overflows
   in float32: vLLM 0.30.0's NaN), the values models ship (30, 50), and any cap in between;
 * ``sliding_window``: 1, a row's context length and its neighbours, windows that start one
-  token past a 16- or 32-token tile boundary (so the tile a kernel loads holds slots outside
-  the window: vLLM 0.13.0's NaN), and any window up to the longest context;
+  token after or before a 16- or 32-token tile boundary (so the tile a kernel loads holds
+  slots outside the window: vLLM 0.13.0's NaN), and any window up to the longest context;
 * ``canary``: NaN in every KV slot no row reads, in about half the cases.
 
 Use ``draw(with_kernel_modes(case))`` at the end of a case strategy, or
@@ -29,7 +29,8 @@ def sliding_windows(longest_context: int) -> st.SearchStrategy[int]:
     """Windows for rows whose longest attended sequence is ``longest_context`` tokens."""
     longest = max(longest_context, 1)
     edges = {1, 2, longest - 1, longest, longest + 1}
-    edges |= {longest - tile * k + 1 for tile in TILE_SIZES for k in (1, 2)}
+    # windows starting one slot after and one before a tile boundary of the longest row
+    edges |= {longest - tile * k - d for tile in TILE_SIZES for k in (1, 2) for d in (1, -1)}
     return st.one_of(st.sampled_from(sorted(w for w in edges if w >= 1)),
                      st.integers(1, longest))
 

