@@ -89,6 +89,22 @@ def _backend_names(text: str) -> list[str]:
     return names
 
 
+class UsageError(ValueError):
+    """The command line asks for something this machine cannot do; the message says what."""
+
+
+def _device(choice: str) -> str:
+    """``--device`` as given, refused when it is ``cuda`` and no GPU is visible."""
+    from difftest import devices, platform
+
+    if choice == "cuda" and devices.visible_gpu_count() == 0:
+        where = ", ".join(f"{k}={v!r}" for k, v in platform.runner_mask().items())
+        raise UsageError(f"--device cuda, but no GPU is visible "
+                         f"({devices.physical_gpu_count()} found by the drivers; "
+                         f"{where or 'no visibility variable set'})")
+    return choice
+
+
 def _add_session_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE:ATTR|FILE.py",
                         help="load extra backends (repeatable)")
@@ -130,7 +146,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
     from difftest import devices, registry
     from difftest.report import backend_entry
 
-    devices.prepare_runtime(devices.resolve(args.device))
+    devices.prepare_runtime(devices.resolve(_device(args.device)))
     for name, backend in sorted(registry.discover(args.plugin).items()):
         entry = backend_entry(backend)
         state = "available" if entry["available"] else "unavailable"
@@ -153,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ShardError as exc:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    session = Session.create(args.backends, args.plugin, args.device,
+    session = Session.create(args.backends, args.plugin, _device(args.device),
                              args.artifacts, args.reference)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
     case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(args.examples,
@@ -186,7 +202,7 @@ def cmd_repro(args: argparse.Namespace) -> int:
     """Replay one case on the local backends and show what differs from the recording."""
     from difftest.replay import replay
 
-    return replay(Path(args.path), args.backends, args.plugin, args.device,
+    return replay(Path(args.path), args.backends, args.plugin, _device(args.device),
                   args.reference, args.artifacts, args.report)
 
 
@@ -354,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (RegistryError, CaseError, CaseFileError, VisibilityError, OSError,
+    except (RegistryError, CaseError, CaseFileError, VisibilityError, UsageError, OSError,
             json.JSONDecodeError) as exc:
         print(f"difftest {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE

@@ -422,3 +422,14 @@ def test_pytest_refuses_a_garbage_gpu_mask(tmp_path: Path) -> None:
     assert done.returncode == pytest.ExitCode.USAGE_ERROR, done.stdout + done.stderr
     assert ("difftest GPU pinning: HIP_VISIBLE_DEVICES='0,x': entry 'x' is neither a GPU index "
             "nor a UUID") in done.stderr
+
+
+@pytest.mark.parametrize("command", ["backends", "run", "repro"])
+def test_device_cuda_without_a_visible_gpu_is_refused(workspace: Path, command: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in platform.VISIBILITY_VARS:  # every GPU hidden: the same on every machine
+        monkeypatch.setenv(var, "")
+    extra = {"backends": [], "run": ["--no-corpus", "--examples", "1"],
+             "repro": [str(workspace / "case.json")]}[command]
+    refused([command, "--device", "cuda", "--artifacts", str(workspace / "art"), *extra],
+            workspace, f"difftest {command}: error: --device cuda, but no GPU is visible (")
