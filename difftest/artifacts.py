@@ -5,35 +5,36 @@ runs, and :meth:`ArtifactStore.running` notes there which backend is running. ``
 removes it and, when a backend failed, leaves ``<root>/failures/<case_id>/`` with
 
 * ``case.json``: the case (``difftest repro`` replays it),
-* ``results.json``: the case entry of the report (:func:`case_record`), with a sha256 of every
-  backend's output so a replay can be checked bit for bit,
+* ``results.json``: the case's record (:class:`difftest.records.CaseRecord`), with a sha256 of
+  every backend's output so a replay can be checked bit for bit,
 * ``fingerprint.json``: the environment of the process that ran it,
 * ``repro.txt``: the command that replays it and the one that pins it into the corpus.
 
 A pending file that outlives its process is a crash: :meth:`ArtifactStore.crashed` finds them
 and :meth:`ArtifactStore.record_crash` turns one into a failure directory with status
 ``crash``.
+
+Every file is strict JSON written atomically (:mod:`difftest.jsonfile`): a process killed
+mid-write leaves the previous file or none, never a part.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from difftest.case import Case
+from difftest.case import Case, CaseError
 from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
-
-if TYPE_CHECKING:
-    from difftest.runner import CaseResult
+from difftest.jsonfile import JSONFileError, read_json, write_json, write_text
+from difftest.records import CaseRecord, RecordError, ResultRecord, Status
 
 DEFAULT_ROOT = "difftest-artifacts"
 
@@ -55,14 +56,6 @@ def output_digest(output: torch.Tensor) -> str:
     digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
     digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     return digest.hexdigest()
-
-
-def case_record(result: CaseResult, outputs: dict[str, str] | None = None) -> dict[str, Any]:
-    """The report entry of a case: its result, with the digest of every backend's output."""
-    record = result.to_dict()
-    for entry in record["results"]:
-        entry["output_sha256"] = (outputs or {}).get(entry["backend"])
-    return record
 
 
 @dataclass(frozen=True)
@@ -102,14 +95,7 @@ class ArtifactStore:
         return self.pending_dir / f"{case.case_id}.{os.getpid()}.json"
 
     def _write_pending(self, case: Case) -> Path:
-        path = self._pending_path(case)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w") as fh:
-            json.dump(self._in_flight[case.case_id], fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        tmp.replace(path)
-        return path
+        return write_json(self._pending_path(case), self._in_flight[case.case_id])
 
     def begin(self, case: Case, backends: list[str]) -> Path:
         """Write the case to disk (fsynced) before it runs; ``backends[0]`` is the reference."""
@@ -139,28 +125,27 @@ class ArtifactStore:
         """Output digests recorded for ``case``, by backend."""
         return dict(self._outputs.get(case.case_id, {}))
 
-    def finish(self, result: CaseResult) -> str | None:
-        """Drop the pending file; on failure write the failure directory and return it."""
-        artifact = None
-        in_flight = self._in_flight.pop(result.case.case_id, None)
-        if result.failed:
+    def finish(self, case: Case, record: CaseRecord) -> str | None:
+        """Drop ``case``'s pending file; when ``record`` failed, write the failure directory,
+        set ``record.artifact`` to it and return it."""
+        in_flight = self._in_flight.pop(case.case_id, None)
+        if record.failed:
             environment = in_flight["environment"] if in_flight else fingerprint()
-            artifact = str(self.write_failure(result.case, case_record(
-                result, self.outputs(result.case)), environment))
-        self._pending_path(result.case).unlink(missing_ok=True)
-        return artifact
+            record.artifact = str(self.write_failure(case, record, environment))
+        self._pending_path(case).unlink(missing_ok=True)
+        return record.artifact
 
-    def write_failure(self, case: Case, record: dict[str, Any], environment: dict[str, Any],
+    def write_failure(self, case: Case, record: CaseRecord, environment: dict[str, Any],
                       plugins: tuple[str, ...] | None = None) -> Path:
-        """``failures/<case_id>/`` with case.json, results.json, fingerprint.json, repro.txt;
-        the replay command names ``plugins`` (default: this store's)."""
+        """``failures/<case_id>/`` with case.json, results.json, fingerprint.json, repro.txt
+        (each written atomically); the replay command names ``plugins`` (default: this
+        store's)."""
         directory = self.failures_dir / case.case_id
-        directory.mkdir(parents=True, exist_ok=True)
-        record = record | {"artifact": str(directory)}
-        (directory / "case.json").write_text(case.to_json() + "\n")
-        (directory / "results.json").write_text(json.dumps(record, indent=1) + "\n")
-        (directory / "fingerprint.json").write_text(json.dumps(environment, indent=1) + "\n")
-        (directory / "repro.txt").write_text(
+        record.artifact = str(directory)
+        write_text(directory / "case.json", case.to_json() + "\n")
+        write_json(directory / "results.json", record.to_dict())
+        write_json(directory / "fingerprint.json", environment)
+        write_text(directory / "repro.txt",
             f"{repro_command(directory, self.plugins if plugins is None else plugins)}\n"
             "# once fixed, pin it into the regression corpus:\n"
             f"{promote_command(directory)}\n")
@@ -173,14 +158,9 @@ class ArtifactStore:
             return found
         for path in sorted(self.pending_dir.glob("*.json")):
             try:
-                payload = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue  # removed or being replaced by its owner right now
-            found.append(PendingCase(
-                path, Case.from_dict(payload["case"]), tuple(payload["backends"]),
-                int(payload["pid"]), payload.get("host", ""), payload.get("pid_domain", ""),
-                payload.get("running"), payload.get("environment") or {},
-                tuple(payload.get("plugins", ()))))
+                found.append(read_pending(path))
+            except JSONFileError:
+                continue  # removed by its owner right now (writes are atomic: never partial)
         return found
 
     def crashed(self, pids: set[int] | None = None) -> list[PendingCase]:
@@ -193,7 +173,7 @@ class ArtifactStore:
         return [p for p in self.pending() if p.pid_domain in ("", domain) and (
             p.pid in pids if pids is not None else not _pid_alive(p.pid))]
 
-    def record_crash(self, pending: PendingCase, detail: str) -> dict[str, Any]:
+    def record_crash(self, pending: PendingCase, detail: str) -> CaseRecord:
         """Turn a dead process's pending case into a failure directory with status crash."""
         reference, *under_test = pending.backends
         if pending.running in under_test:
@@ -203,29 +183,48 @@ class ArtifactStore:
             crashed = under_test
             stage = pending.running or "input generation"
             where = f"in {stage}, before the backends under test ran"
-        directory = self.failures_dir / pending.case.case_id
-        record = {
-            "case_id": pending.case.case_id,
-            "name": pending.case.name,
-            "case": pending.case.to_dict(),
-            "features": case_features(pending.case),
-            "reference": reference,
-            "results": [{"backend": name, "status": "crash", "seconds": 0.0,
-                         "detail": f"the process died {where}: {detail}", "versions": {},
-                         "comparison": None, "output_sha256": None} for name in crashed],
-            "timings": {},
-            "artifact": str(directory),
-            "unjudged": [n for n in under_test if n not in crashed],
-            "plugins": list(pending.plugins),
-        }
+        record = CaseRecord(
+            case_id=pending.case.case_id, name=pending.case.name, case=pending.case.to_dict(),
+            features=case_features(pending.case), reference=reference,
+            results=[ResultRecord(name, Status.CRASH, detail=f"the process died {where}: "
+                                  f"{detail}") for name in crashed],
+            unjudged=[n for n in under_test if n not in crashed],
+            plugins=list(pending.plugins))
         self.write_failure(pending.case, record, pending.environment, pending.plugins)
         pending.path.unlink(missing_ok=True)
         return record
 
-    def recover_crashes(self, detail: str, pids: set[int] | None = None) -> list[dict[str, Any]]:
+    def recover_crashes(self, detail: str, pids: set[int] | None = None) -> list[CaseRecord]:
         """:meth:`record_crash` every :meth:`crashed` case; ``detail`` says how it was found."""
         return [self.record_crash(p, f"{detail} (pid {p.pid} on {p.host or 'this host'})")
                 for p in self.crashed(pids)]
+
+
+def read_pending(path: Path | str) -> PendingCase:
+    """A pending file; :class:`JSONFileError` names the file and the field that is wrong."""
+    payload = read_json(path)
+    if not isinstance(payload, dict):
+        raise JSONFileError(f"{path}: not a pending case file (a JSON object expected)")
+    try:
+        return PendingCase(
+            Path(path), Case.from_dict(payload["case"]), tuple(payload["backends"]),
+            int(payload["pid"]), payload.get("host", ""), payload.get("pid_domain", ""),
+            payload.get("running"), payload.get("environment") or {},
+            tuple(payload.get("plugins", ())))
+    except KeyError as exc:
+        raise JSONFileError(f"{path}: field {exc.args[0]!r} missing: not a pending case "
+                            "file") from exc
+    except (CaseError, TypeError, ValueError) as exc:
+        raise JSONFileError(f"{path}: not a pending case file: {exc}") from exc
+
+
+def read_results(path: Path | str) -> CaseRecord:
+    """A failure directory's ``results.json`` read back; :class:`RecordError` (or
+    :class:`JSONFileError`) names the file and the field that is wrong."""
+    try:
+        return CaseRecord.from_dict(read_json(path), "")
+    except RecordError as exc:
+        raise RecordError(f"{path}: {exc}") from exc
 
 
 def pid_domain() -> str:

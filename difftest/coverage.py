@@ -11,13 +11,15 @@ from collections import Counter
 from typing import Any
 
 from difftest.case import Case
+from difftest.records import NOT_RUN, CaseRecord, Status
 from difftest.sparse_table import build_rows, row_page_ids
 
 PAGE_ID_2_16 = 1 << 16
 
 
 def case_features(case: Case) -> dict[str, Any]:
-    """Boundary features of a case, as the report records them."""
+    """Boundary features of a case, as the report records them
+    (:data:`difftest.records.FEATURE_TYPES` lists them with their types)."""
     rows = build_rows(case)
     pages = [p for row in rows for p in row_page_ids(case, row)]
     tails = [seg.tokens for row in rows for seg in row.segments[-1:]]
@@ -58,18 +60,18 @@ def _labels(features: dict[str, Any]) -> list[str]:
     return labels + [name for name, hit in flags.items() if hit]
 
 
-def coverage_table(cases: list[dict[str, Any]]) -> str:
+def coverage_table(cases: list[CaseRecord]) -> str:
     """Per feature and backend: agreeing cases / cases run (unsupported ones not counted)."""
     agree: dict[str, Counter[str]] = {}
     ran: dict[str, Counter[str]] = {}
     for case in cases:
-        for label in _labels(case["features"]):
-            for result in case["results"]:
-                if result["status"] in ("unsupported", "unavailable"):
+        for label in _labels(case.features):
+            for result in case.results:
+                if result.status in NOT_RUN:
                     continue
-                ran.setdefault(result["backend"], Counter())[label] += 1
-                if result["status"] == "agree":
-                    agree.setdefault(result["backend"], Counter())[label] += 1
+                ran.setdefault(result.backend, Counter())[label] += 1
+                if result.status is Status.AGREE:
+                    agree.setdefault(result.backend, Counter())[label] += 1
     if not ran:
         return "coverage: no backend ran"
     backends = sorted(ran)

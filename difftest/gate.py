@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from difftest.report import FAILING_STATUSES
+from difftest.artifacts import repro_command
+from difftest.records import FAILING, NOT_RUN, ResultRecord, Status
+from difftest.report import case_records
 
 DEFAULT_MAX_RATIO_GROWTH = 2.0
 DEFAULT_RATIO_FLOOR = 0.5
@@ -56,34 +58,28 @@ class GateResult:
         return bool(self.backend_findings) or any(r.fails for r in self.rows)
 
 
-def _ratio(result: dict[str, Any] | None) -> float | None:
-    if result is None or not result.get("comparison"):
-        return None
-    return float(result["comparison"]["max_ratio"])
-
-
-def _judge(base: dict[str, Any] | None, cand: dict[str, Any] | None, growth: float,
+def _judge(base: ResultRecord | None, cand: ResultRecord | None, growth: float,
            floor: float) -> tuple[str, bool]:
     if base is None:
         return ("new in candidate", False)
     if cand is None:
         return ("result missing in candidate", True)
-    b, c = base["status"], cand["status"]
-    if c in FAILING_STATUSES and c != b:
-        return (f"new {c}", True)
-    if c == "unavailable" and b != "unavailable":
+    b, c = base.status, cand.status
+    if c in FAILING and c != b:
+        return (f"new {c.value}", True)
+    if c is Status.UNAVAILABLE and b is not Status.UNAVAILABLE:
         return ("became unavailable", True)
-    if c == "unsupported" and b not in ("unsupported", "unavailable"):
+    if c is Status.UNSUPPORTED and b not in NOT_RUN:
         return ("no longer supported", True)
-    if b in FAILING_STATUSES and c not in FAILING_STATUSES:
+    if b in FAILING and c not in FAILING:
         return ("fixed", False)
-    br, cr = _ratio(base), _ratio(cand)
+    br, cr = base.ratio, cand.ratio
     if br is not None and cr is not None and cr > floor and (
             cr > br * growth or (math.isinf(cr) and not math.isinf(br))):
         return (f"error/tolerance grew {cr / br:.3g}x" if br > 0 and math.isfinite(cr)
                 else "error/tolerance grew", True)
-    if b in FAILING_STATUSES:
-        return (f"still {c}", False)
+    if b in FAILING:
+        return (f"still {c.value}", False)
     return ("same", False)
 
 
@@ -98,31 +94,35 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
             findings.append(f"backend {name} is missing from the candidate")
         elif entry["available"] and not cand["available"]:
             findings.append(f"backend {name} became unavailable: {cand['reason']}")
-    for crash in candidate.get("earlier_crashes", []):
-        findings.append(f"case {crash['case_id']} crashed a process before the candidate's run "
-                        f"(replay with difftest repro {crash['artifact']})")
-    cand_cases = {c["case_id"]: c for c in candidate["cases"]}
-    base_ids = {c["case_id"] for c in baseline["cases"]}
+    for crash in case_records(candidate, "earlier_crashes"):
+        replay = (f"replay with {repro_command(crash.artifact, crash.plugins or ())}"
+                  if crash.artifact else "no artifact directory")
+        findings.append(f"case {crash.case_id} crashed a process before the candidate's run "
+                        f"({replay})")
+    base_cases = case_records(baseline)
+    cand_cases = {c.case_id: c for c in case_records(candidate)}
+    base_ids = {c.case_id for c in base_cases}
     rows = []
-    for case in baseline["cases"]:
-        other = cand_cases.get(case["case_id"])
+    for case in base_cases:
+        other = cand_cases.get(case.case_id)
         if other is None:
-            rows.append(GateRow(case["case_id"], case["name"], "*", "present", None, None,
+            rows.append(GateRow(case.case_id, case.name, "*", "present", None, None,
                                 None, "case missing in candidate (case set shrank)", True))
             continue
-        theirs = {r["backend"]: r for r in other["results"]}
-        ours = {r["backend"]: r for r in case["results"]}
+        theirs = {r.backend: r for r in other.results}
+        ours = {r.backend: r for r in case.results}
         for backend in sorted(ours.keys() | theirs.keys()):
             base, cand = ours.get(backend), theirs.get(backend)
             verdict, fails = _judge(base, cand, max_ratio_growth, ratio_floor)
             rows.append(GateRow(
-                case["case_id"], case["name"], backend, base and base["status"], _ratio(base),
-                cand and cand["status"], _ratio(cand), verdict, fails))
-    for case in candidate["cases"]:
-        if case["case_id"] not in base_ids:
-            rows.append(GateRow(case["case_id"], case["name"], "*", None, None, "present",
+                case.case_id, case.name, backend, base and base.status.value,
+                base and base.ratio, cand and cand.status.value, cand and cand.ratio,
+                verdict, fails))
+    for case in cand_cases.values():
+        if case.case_id not in base_ids:
+            rows.append(GateRow(case.case_id, case.name, "*", None, None, "present",
                                 None, "new case in candidate", False))
-    return GateResult(tuple(rows), tuple(findings), len(baseline["cases"]))
+    return GateResult(tuple(rows), tuple(findings), len(base_cases))
 
 
 def _fmt_ratio(ratio: float | None) -> str:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from difftest.coverage import PAGE_ID_2_16
-from difftest.report import STATUSES, status_matrix
+from difftest.records import STATUSES, Status
+from difftest.report import case_records, status_matrix
 
 # Ratios of 0 (exact) or inf (non-finite output) are drawn at these, so a log axis holds them;
 # NaN ratios (0/0: a zero tolerance met exactly) are left out.
@@ -24,18 +25,13 @@ INF_RATIO = 1e4
 def points(report: dict[str, Any]) -> dict[str, list[tuple[int, int, float]]]:
     """backend -> ``(max context length, max page id, error/tolerance)`` per compared case."""
     found: dict[str, list[tuple[int, int, float]]] = {}
-    for case in report["cases"]:
-        features = case.get("features")
-        if features is None:
-            continue
-        for result in case["results"]:
-            if result["comparison"] is None:
+    for case in case_records(report):
+        for result in case.results:
+            ratio = result.ratio
+            if ratio is None or math.isnan(ratio):
                 continue
-            ratio = float(result["comparison"]["max_ratio"])
-            if math.isnan(ratio):
-                continue
-            found.setdefault(result["backend"], []).append(
-                (max(features["context_lens"], default=0), features["max_page_id"],
+            found.setdefault(result.backend, []).append(
+                (max(case.features["context_lens"], default=0), case.features["max_page_id"],
                  min(max(ratio, FLOOR_RATIO), INF_RATIO)))  # inf: non-finite output
     return found
 
@@ -75,9 +71,10 @@ def plot_report(report: dict[str, Any], path: Path | str, title: str | None = No
         for ax in axes[:2]:
             ax.text(0.5, 0.5, "no compared cases", ha="center", transform=ax.transAxes)
 
-    matrix = status_matrix(report["cases"])
+    cases = case_records(report)
+    matrix = status_matrix(cases)
     backends = sorted(matrix)
-    counts = [[matrix[b][s] for s in STATUSES] for b in backends] or [[0] * len(STATUSES)]
+    counts = [[matrix[b][s] for s in Status] for b in backends] or [[0] * len(STATUSES)]
     heat = axes[2]
     heat.imshow(counts, cmap="Blues", aspect="auto")
     heat.set_xticks(range(len(STATUSES)), STATUSES, rotation=30, ha="right")
@@ -91,8 +88,8 @@ def plot_report(report: dict[str, Any], path: Path | str, title: str | None = No
     fp = report.get("fingerprint", {})
     where = fp.get("gpu_arch") or ("cpu (Triton interpreted)" if fp.get("triton_interpret")
                                    else "cpu")
-    fig.suptitle(title or f"{len(report['cases'])} cases on {where}; "
-                 f"reference {report['cases'][0]['reference'] if report['cases'] else '-'}")
+    fig.suptitle(title or f"{len(cases)} cases on {where}; "
+                 f"reference {cases[0].reference if cases else '-'}")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,31 +2,89 @@
 
 Schema ``difftest.report/1``, every field documented in ``docs/report-schema.md``: top-level
 ``schema``, ``created``, ``fingerprint``, ``config``, ``backends`` (availability and versions
-per backend), ``cases`` (one :func:`difftest.artifacts.case_record` per case, sorted by case
-id so shards merge deterministically), and where they apply ``workers`` (pytest-xdist) and
-``merged_from`` (``difftest merge``).
+per backend), ``cases`` (one :class:`difftest.records.CaseRecord` per case, sorted by case
+id so shards merge deterministically), and where they apply ``workers`` (pytest-xdist),
+``merged_from`` (``difftest merge``) and ``earlier_crashes``.
+
+A report is held as its JSON document (a dict); :func:`write_report` writes it as strict JSON,
+atomically, and :func:`read_report` checks every field of what it reads. Code that looks at
+the cases reads them with :func:`case_records`, never as bare dicts.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from difftest.artifacts import repro_command
 from difftest.backend import Backend
 from difftest.coverage import coverage_table
+from difftest.jsonfile import JSONFileError, read_json, write_json
+from difftest.records import FAILING, STATUSES, CaseRecord, RecordError, Status, read_entry
 
 REPORT_SCHEMA = "difftest.report/1"
-STATUSES = ("agree", "disagree", "error", "crash", "unsupported", "unavailable")
-FAILING_STATUSES = frozenset({"disagree", "error", "crash"})
+CASE_LISTS = ("cases", "earlier_crashes")
 
 
 class ReportError(ValueError):
-    """A report file cannot be read: missing, not JSON, or another schema."""
+    """A report file cannot be read: missing, not JSON, another schema, or a field that is
+    missing or wrong (the message names the file and the field)."""
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A backend's entry under ``backends`` (:func:`backend_entry`)."""
+
+    available: bool
+    reason: str
+    versions: dict[str, str]
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """An xdist worker's entry under ``workers``."""
+
+    pid: int
+    host: str
+    slot: int
+    gpu_env: dict[str, str]
+    visibility: dict[str, str]
+    device: str
+    gpu_name: str | None
+    gpu_arch: str | None
+    gpu_pci_bus_id: str | None
+    cases: int
+
+
+@dataclass(frozen=True)
+class MergedFrom:
+    """One input of ``difftest merge`` under ``merged_from``."""
+
+    report: str
+    shard: str | None
+    cases: int
+
+
+@dataclass(frozen=True)
+class ReportFields:
+    """The top level of a report; the case lists are read as :class:`CaseRecord` each."""
+
+    schema: str
+    created: str
+    fingerprint: dict[str, Any]
+    config: dict[str, Any]
+    backends: dict[str, BackendEntry]
+    cases: list[Any]
+    workers: dict[str, WorkerEntry] | None = None
+    merged_from: list[MergedFrom] | None = None
+    earlier_crashes: list[Any] | None = None
+
+    OPTIONAL = frozenset({"workers", "merged_from", "earlier_crashes"})
 
 
 def now() -> str:
@@ -47,16 +105,17 @@ def backend_entry(backend: Backend) -> dict[str, Any]:
             "versions": versions}
 
 
-def build_report(records: list[dict[str, Any]], backends: dict[str, dict[str, Any]],
+def build_report(records: Iterable[CaseRecord], backends: dict[str, dict[str, Any]],
                  config: dict[str, Any], fingerprint: dict[str, Any],
                  workers: dict[str, dict[str, Any]] | None = None,
-                 earlier_crashes: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                 earlier_crashes: Iterable[CaseRecord] = ()) -> dict[str, Any]:
     """The report of ``records``; a case id seen twice keeps its last record.
 
     ``earlier_crashes`` are cases an earlier, dead process left pending, found at the start of
     this run: failures to act on, but not part of this run's case set.
     """
-    by_id = {r["case_id"]: r for r in records}
+    by_id = {r.case_id: r.to_dict() for r in records}
+    crashes = [c.to_dict() for c in earlier_crashes]
     report: dict[str, Any] = {
         "schema": REPORT_SCHEMA,
         "created": now(),
@@ -67,91 +126,99 @@ def build_report(records: list[dict[str, Any]], backends: dict[str, dict[str, An
     }
     if workers is not None:
         report["workers"] = dict(sorted(workers.items()))
-    if earlier_crashes:
-        report["earlier_crashes"] = earlier_crashes
+    if crashes:
+        report["earlier_crashes"] = crashes
     return report
 
 
 def write_report(path: Path | str, report: dict[str, Any]) -> None:
-    """Write ``report`` as JSON."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    """Write ``report`` as strict JSON, atomically (:func:`difftest.jsonfile.write_json`)."""
+    write_json(path, report)
 
 
 def read_report(path: Path | str) -> dict[str, Any]:
-    """Read a report, checking its schema; :class:`ReportError` says what is wrong."""
+    """Read a report (strict JSON, or an older one with bare ``NaN``/``Infinity``), checking
+    its schema and every field; :class:`ReportError` names the file and the field."""
     try:
-        report = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ReportError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ReportError(f"{path}: not JSON: {exc}") from exc
+        report = read_json(path)
+    except JSONFileError as exc:
+        raise ReportError(str(exc)) from exc
     if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA:
         schema = report.get("schema") if isinstance(report, dict) else None
         raise ReportError(f"{path}: schema {schema!r}, expected {REPORT_SCHEMA!r}")
+    try:
+        read_entry(ReportFields, report, "", ReportFields.OPTIONAL)
+        for key in CASE_LISTS:
+            case_records(report, key)
+    except RecordError as exc:
+        raise ReportError(f"{path}: {exc}") from exc
     return report
 
 
-def status_matrix(cases: list[dict[str, Any]]) -> dict[str, Counter[str]]:
+def case_records(report: dict[str, Any], key: str = "cases") -> list[CaseRecord]:
+    """The entries of ``report[key]`` (``cases`` or ``earlier_crashes``) as records;
+    :class:`RecordError` names the field, e.g. ``cases[3].results[0].status``."""
+    return [CaseRecord.from_dict(entry, f"{key}[{i}]")
+            for i, entry in enumerate(report.get(key) or [])]
+
+
+def status_matrix(cases: list[CaseRecord]) -> dict[str, Counter[Status]]:
     """backend -> Counter of statuses."""
-    matrix: dict[str, Counter[str]] = {}
+    matrix: dict[str, Counter[Status]] = {}
     for case in cases:
-        for result in case["results"]:
-            matrix.setdefault(result["backend"], Counter())[result["status"]] += 1
+        for result in case.results:
+            matrix.setdefault(result.backend, Counter())[result.status] += 1
     return matrix
 
 
-def failure_lines(cases: list[dict[str, Any]], plugins: tuple[str, ...] = ()) -> list[str]:
+def failure_lines(cases: list[CaseRecord], plugins: tuple[str, ...] = ()) -> list[str]:
     """One line per failing case: what failed and the command that replays it."""
     lines = []
     for case in cases:
-        failing = [r for r in case["results"] if r["status"] in FAILING_STATUSES]
+        failing = [r for r in case.results if r.status in FAILING]
         if not failing:
             continue
-        label = "CRASH" if any(r["status"] == "crash" for r in failing) else "FAILED"
-        what = ", ".join(f"{r['backend']} {r['status']}" for r in failing)
-        replay = (f"replay with {repro_command(case['artifact'], plugins)}"
-                  if case.get("artifact")
+        label = "CRASH" if any(r.status is Status.CRASH for r in failing) else "FAILED"
+        what = ", ".join(f"{r.backend} {r.status.value}" for r in failing)
+        replay = (f"replay with {repro_command(case.artifact, plugins)}" if case.artifact
                   else "no artifact directory")
-        lines.append(f"{label} case {case['case_id']} ({what}): {replay}")
+        lines.append(f"{label} case {case.case_id} ({what}): {replay}")
     return lines
 
 
 def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20) -> str:
     """Agreement matrix, cases per backend, the worst cases and every failure, as text."""
-    cases = report["cases"]
+    cases = case_records(report)
     matrix = status_matrix(cases)
     width = max([len(b) for b in matrix] + [7])
-    lines = [f"{len(cases)} cases; reference {cases[0]['reference'] if cases else '-'}", ""]
+    lines = [f"{len(cases)} cases; reference {cases[0].reference if cases else '-'}", ""]
     lines.append(f"{'backend':<{width}}  " + "  ".join(f"{s:>11}" for s in STATUSES)
                  + "  worst err/tol")
     for backend, counts in sorted(matrix.items()):
-        ratios = [r["comparison"]["max_ratio"] for c in cases for r in c["results"]
-                  if r["backend"] == backend and r["comparison"]
-                  and not math.isnan(r["comparison"]["max_ratio"])]
+        ratios = [r.ratio for c in cases for r in c.results
+                  if r.backend == backend and r.ratio is not None and not math.isnan(r.ratio)]
         worst_ratio = f"{max(ratios):.3g}" if ratios else "-"
-        lines.append(f"{backend:<{width}}  " + "  ".join(f"{counts[s]:>11}" for s in STATUSES)
-                     + f"  {worst_ratio:>13}")
+        lines.append(f"{backend:<{width}}  "
+                     + "  ".join(f"{counts[s]:>11}" for s in Status) + f"  {worst_ratio:>13}")
     ranked = sorted(
-        ((r["comparison"]["max_ratio"], c["case_id"], c["name"], r["backend"], r["status"])
-         for c in cases for r in c["results"]
-         if r["comparison"] and not math.isnan(r["comparison"]["max_ratio"])),
+        ((r.ratio, c.case_id, c.name, r.backend, r.status.value)
+         for c in cases for r in c.results if r.ratio is not None and not math.isnan(r.ratio)),
         reverse=True,
     )[:worst]
     if ranked:
         lines += ["", "worst cases (error/tolerance):"]
         lines += [f"  {ratio:10.3g}  {backend:<{width}}  {case_id}  {status}  {name}".rstrip()
                   for ratio, case_id, name, backend, status in ranked]
-    if cases and all("features" in c for c in cases):
+    if cases:
         lines += ["", coverage_table(cases)]
     for backend, entry in sorted(report["backends"].items()):
         if not entry["available"]:
             lines.append(f"unavailable: {backend}: {entry['reason']}")
     plugins = tuple(report.get("config", {}).get("plugins", ()))
     failures = failure_lines(cases, plugins) + [
-        f"CRASH case {c['case_id']} (in an earlier run): replay with "
-        f"{repro_command(c['artifact'], c.get('plugins', ()))}"
-        for c in report.get("earlier_crashes", [])]
+        f"CRASH case {c.case_id} (in an earlier run): replay with "
+        f"{repro_command(c.artifact or '-', c.plugins or ())}"
+        for c in case_records(report, "earlier_crashes")]
     if failures:
         lines += ["", *failures[:max_failures]]
         if len(failures) > max_failures:

@@ -1,41 +1,28 @@
 """Running one case through the reference and each backend, and judging each against it.
 
 Data flows one way: case -> inputs (data, sparse table, caches) -> each backend -> comparison
--> a :class:`BackendResult` per backend. The case is on disk (:mod:`difftest.artifacts`)
-before any kernel starts, so a crash that kills the process loses nothing.
+-> a :class:`BackendResult` per backend, and :meth:`CaseResult.record` is the case's record
+(:mod:`difftest.records`). The engine writes no files: the session (:mod:`difftest.session`)
+puts the case on disk before it runs and stores the failures.
 """
 
 from __future__ import annotations
 
-import enum
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from difftest.artifacts import ArtifactStore
 from difftest.backend import Backend, ReferenceBackend, RunInputs
 from difftest.case import Case
 from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
-from difftest.tolerance import Tolerance
+from difftest.records import FAILING, CaseRecord, ResultRecord, Status
+from difftest.tolerance import Reference, Tolerance
 
-
-class Status(enum.Enum):
-    """The verdict of one backend on one case."""
-
-    AGREE = "agree"
-    DISAGREE = "disagree"
-    ERROR = "error"
-    CRASH = "crash"
-    UNSUPPORTED = "unsupported"
-    UNAVAILABLE = "unavailable"
-
-
-FAILING = frozenset({Status.DISAGREE, Status.ERROR, Status.CRASH})
+__all__ = ["FAILING", "BackendResult", "CaseResult", "Status", "run_case"]
 
 
 @dataclass
@@ -49,16 +36,10 @@ class BackendResult:
     comparison: Comparison | None = None
     versions: dict[str, str] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return {
-            "backend": self.backend,
-            "status": self.status.value,
-            "seconds": self.seconds,
-            "detail": self.detail,
-            "versions": self.versions,
-            "comparison": self.comparison.to_dict() if self.comparison else None,
-        }
+    def record(self, output_sha256: str | None = None) -> ResultRecord:
+        """This result as recorded, with the digest of the backend's output."""
+        return ResultRecord(self.backend, self.status, self.seconds, self.detail,
+                            dict(self.versions), self.comparison, output_sha256)
 
 
 @dataclass
@@ -87,18 +68,13 @@ class CaseResult:
                                 f"{r.detail}")
         return messages
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return {
-            "case_id": self.case.case_id,
-            "name": self.case.name,
-            "case": self.case.to_dict(),
-            "features": case_features(self.case),
-            "reference": self.reference,
-            "results": [r.to_dict() for r in self.results],
-            "timings": self.timings,
-            "artifact": self.artifact,
-        }
+    def record(self, outputs: dict[str, str] | None = None) -> CaseRecord:
+        """The case's record, with ``outputs`` (backend -> sha256 of its output)."""
+        return CaseRecord(
+            case_id=self.case.case_id, name=self.case.name, case=self.case.to_dict(),
+            features=case_features(self.case), reference=self.reference,
+            results=[r.record((outputs or {}).get(r.backend)) for r in self.results],
+            timings=dict(self.timings), artifact=self.artifact)
 
 
 def _traceback() -> str:
@@ -118,11 +94,8 @@ def run_case(
     reference: ReferenceBackend,
     backends: list[Backend],
     device: torch.device,
-    store: ArtifactStore | None = None,
 ) -> CaseResult:
     """Run ``case`` through ``reference`` and ``backends`` and judge each backend."""
-    if store is not None:
-        store.begin(case, [reference.name] + [b.name for b in backends])
     timings: dict[str, float] = {}
     inputs = RunInputs(case, device)
     try:
@@ -139,13 +112,10 @@ def run_case(
         results = [BackendResult(b.name, Status.ERROR, detail=detail) for b in backends]
     else:
         results = [_run_backend(backend, inputs, truth, timings) for backend in backends]
-    result = CaseResult(case, reference.name, results, timings)
-    if store is not None:
-        result.artifact = store.finish(result)
-    return result
+    return CaseResult(case, reference.name, results, timings)
 
 
-def _run_backend(backend: Backend, inputs: RunInputs, truth: Any,
+def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
                  timings: dict[str, float]) -> BackendResult:
     case, device = inputs.case, inputs.device
     availability = backend.availability()

@@ -1,7 +1,9 @@
 """A configured run: device, reference, backends under test and the artifact store.
 
 Shared by the CLI and the pytest plugin so both resolve devices, plug-ins and backends the
-same way, and both produce the same report entries (:func:`difftest.artifacts.case_record`).
+same way, and both produce the same records (:class:`difftest.records.CaseRecord`). The
+session owns the artifact store: it puts each case on disk before the engine
+(:func:`difftest.runner.run_case`, which writes no files) runs it, and stores its failures.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 import torch
 
 from difftest import devices, registry
-from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, case_record
+from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
 from difftest.backend import Backend, ReferenceBackend, RunInputs
 from difftest.case import Case
 from difftest.fingerprint import fingerprint
+from difftest.records import CaseRecord
 from difftest.report import backend_entry
 from difftest.runner import CaseResult, run_case
 from difftest.tolerance import Reference
@@ -65,7 +68,7 @@ class ObservedReference(ObservedBackend):
 
 @dataclass
 class Session:
-    """Everything needed to run cases; collects their results and report entries."""
+    """Everything needed to run cases; collects their results and records."""
 
     device: torch.device
     reference: ReferenceBackend
@@ -73,7 +76,7 @@ class Session:
     store: ArtifactStore
     plugins: tuple[str, ...] = ()
     results: list[CaseResult] = field(default_factory=list)
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[CaseRecord] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -106,12 +109,15 @@ class Session:
         return self.store.environment
 
     def run(self, case: Case) -> CaseResult:
-        """Run one case, keep and return its result."""
+        """Run one case (on disk while it runs; its failure stored), keep its result and
+        record, and return the result."""
+        self.store.begin(case, [self.reference.name, *(b.name for b in self.backends)])
         result = run_case(case, ObservedReference(self.reference, self.store),
-                          [ObservedBackend(b, self.store) for b in self.backends],
-                          self.device, self.store)
+                          [ObservedBackend(b, self.store) for b in self.backends], self.device)
+        record = result.record(self.store.outputs(case))
+        result.artifact = self.store.finish(case, record)
         self.results.append(result)
-        self.records.append(case_record(result, self.store.outputs(case)))
+        self.records.append(record)
         return result
 
     def backend_entries(self) -> dict[str, dict[str, Any]]:

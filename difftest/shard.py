@@ -14,7 +14,9 @@ from typing import Any
 
 from difftest.case import Case
 from difftest.fingerprint import comparable
-from difftest.report import REPORT_SCHEMA
+from difftest.jsonfile import dumps
+from difftest.records import CaseRecord
+from difftest.report import REPORT_SCHEMA, case_records
 
 # Fields of a case entry that differ between two runs of the same case on the same image.
 VOLATILE_CASE_FIELDS = ("timings", "artifact", "worker", "nodeid")
@@ -60,12 +62,14 @@ class Shard:
         return [c for c in cases if self.contains(c)]
 
 
-def comparable_case(entry: dict[str, Any]) -> dict[str, Any]:
-    """A case entry without the fields that legitimately differ between identical runs."""
+def comparable_case(record: CaseRecord) -> str:
+    """A case's entry without the fields that legitimately differ between identical runs, as
+    strict JSON text (so a NaN compares equal to a NaN)."""
+    entry = record.to_dict()
     kept = {k: v for k, v in entry.items() if k not in VOLATILE_CASE_FIELDS}
     kept["results"] = [{k: v for k, v in r.items() if k not in VOLATILE_RESULT_FIELDS}
                        for r in entry["results"]]
-    return kept
+    return dumps(kept)
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +88,7 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         raise ShardError("nothing to merge")
     warnings: list[str] = []
     first_name, first = reports[0]
-    cases: dict[str, dict[str, Any]] = {}
+    cases: dict[str, CaseRecord] = {}
     owner: dict[str, str] = {}
     backends: dict[str, dict[str, Any]] = {}
     shards: set[str] = set()
@@ -105,12 +109,12 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         if problems and not force:
             raise ShardError(f"{name}: " + "; ".join(problems) + " (--force merges anyway)")
         warnings.extend(f"{name}: {p}" for p in problems)
-        for entry in report["cases"]:
-            case_id = entry["case_id"]
-            if case_id in cases and comparable_case(cases[case_id]) != comparable_case(entry):
+        for record in case_records(report):
+            case_id = record.case_id
+            if case_id in cases and comparable_case(cases[case_id]) != comparable_case(record):
                 raise ShardError(f"case {case_id} is in {owner[case_id]} and {name} with "
                                  "different results")
-            cases.setdefault(case_id, entry)
+            cases.setdefault(case_id, record)
             owner.setdefault(case_id, name)
         shard = report["config"].get("shard")
         if shard:
@@ -130,10 +134,11 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         "fingerprint": first["fingerprint"],
         "config": comparable_config(first["config"]) | {"shard": None},
         "backends": dict(sorted(backends.items())),
-        "cases": [cases[k] for k in sorted(cases)],
+        "cases": [cases[k].to_dict() for k in sorted(cases)],
         "merged_from": merged_from,
     }
-    crashes = [c for _, report in reports for c in report.get("earlier_crashes", [])]
+    crashes = [c.to_dict() for _, report in reports
+               for c in case_records(report, "earlier_crashes")]
     if crashes:  # failures of the shards' machines; the gate must still see them
         merged["earlier_crashes"] = crashes
     return merged, warnings

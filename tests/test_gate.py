@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import copy
-import json
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from difftest import cli
+from difftest.artifacts import repro_command
 from difftest.case import Case
 from difftest.gate import gate
+from difftest.jsonfile import write_json
+from difftest.records import CaseRecord, ResultRecord, Status
 from difftest.report import build_report
 from difftest.session import Session
 
@@ -36,8 +39,7 @@ def _gate(tmp_path: Path, capsys: pytest.CaptureFixture[str], base: dict[str, An
           cand: dict[str, Any], *options: str) -> tuple[int, str]:
     paths = []
     for name, report in (("baseline.json", base), ("candidate.json", cand)):
-        (tmp_path / name).write_text(json.dumps(report))
-        paths.append(str(tmp_path / name))
+        paths.append(str(write_json(tmp_path / name, report)))
     code = cli.main(["gate", *paths, *options])
     return code, capsys.readouterr().out
 
@@ -134,6 +136,7 @@ def test_fixed_and_new_cases_pass(tmp_path, capsys, baseline) -> None:
     _result(failing)["status"] = "disagree"
     grown = copy.deepcopy(baseline)
     extra = copy.deepcopy(grown["cases"][0]) | {"case_id": "f" * 16}
+    extra["case"]["id"] = "f" * 16
     grown["cases"].append(extra)
     code, out = _gate(tmp_path, capsys, failing, grown)
     assert code == 0, out
@@ -149,18 +152,37 @@ def test_a_known_failure_that_persists_passes(baseline) -> None:
 
 
 def test_unreadable_input_exits_2(tmp_path, capsys, baseline) -> None:
-    (tmp_path / "baseline.json").write_text(json.dumps(baseline))
+    write_json(tmp_path / "baseline.json", baseline)
     (tmp_path / "broken.json").write_text("{")
     assert cli.main(["gate", str(tmp_path / "baseline.json"), str(tmp_path / "broken.json")]) == 2
     assert "not JSON" in capsys.readouterr().err
     assert cli.main(["gate", str(tmp_path / "baseline.json"), str(tmp_path / "none.json")]) == 2
 
 
-def test_a_crash_left_by_an_earlier_candidate_process_fails(tmp_path, capsys, baseline) -> None:
+def test_a_wrong_field_is_an_error_naming_the_file_and_the_field(tmp_path, capsys,
+                                                                  baseline) -> None:
     candidate = copy.deepcopy(baseline)
-    candidate["earlier_crashes"] = [{"case_id": "0123456789abcdef",
-                                     "artifact": "difftest-artifacts/failures/0123456789abcdef"}]
+    _result(candidate, 1)["status"] = "pass"
+    paths = [str(write_json(tmp_path / name, report)) for name, report in
+             (("baseline.json", baseline), ("candidate.json", candidate))]
+    assert cli.main(["gate", *paths]) == 2
+    assert (f"difftest gate: {tmp_path / 'candidate.json'}: cases[1].results[0].status: "
+            "'pass' is not a status (allowed: agree, disagree, error, crash, unsupported, "
+            "unavailable)") in capsys.readouterr().err
+
+
+def test_a_crash_left_by_an_earlier_candidate_process_fails(tmp_path, capsys, baseline) -> None:
+    """The replay command is the store's own, so it keeps the crashed process's plug-ins."""
+    case = CaseRecord.from_dict(baseline["cases"][0], "cases[0]")
+    artifact = f"difftest-artifacts/failures/{case.case_id}"
+    plugins = ["tests/fake_backends.py", "mutants.catalog"]
+    crash = dataclasses.replace(
+        case, results=[ResultRecord(BACKEND, Status.CRASH, detail="the process died")],
+        timings={}, artifact=artifact, unjudged=[], plugins=plugins)
+    candidate = copy.deepcopy(baseline) | {"earlier_crashes": [crash.to_dict()]}
     code, out = _gate(tmp_path, capsys, baseline, candidate)
     assert code == 1
-    assert ("FAIL case 0123456789abcdef crashed a process before the candidate's run (replay "
-            "with difftest repro difftest-artifacts/failures/0123456789abcdef)") in out
+    assert repro_command(artifact, plugins) == (
+        f"difftest repro {artifact} --plugin tests/fake_backends.py --plugin mutants.catalog")
+    assert (f"FAIL case {case.case_id} crashed a process before the candidate's run (replay "
+            f"with {repro_command(artifact, plugins)})") in out

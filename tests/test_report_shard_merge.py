@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import json
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +15,9 @@ from difftest.cases.generate import generated_cases
 
 from difftest import cli
 from difftest.case import Case
-from difftest.report import REPORT_SCHEMA, ReportError, read_report
+from difftest.jsonfile import write_json
+from difftest.records import CaseRecord, ResultRecord, Status
+from difftest.report import REPORT_SCHEMA, ReportError, case_records, read_report
 from difftest.shard import Shard, ShardError, comparable_case, merge_reports, shard_of
 
 SHARDS = 4
@@ -75,7 +77,7 @@ def test_four_shards_merged_equal_the_unsharded_report(shard_reports) -> None:
         assert report["config"]["shard"] == f"{k}/{SHARDS}"
         assert all(shard_of(c["case_id"], SHARDS) == k - 1 for c in report["cases"])
     assert [c["case_id"] for c in joined["cases"]] == [c["case_id"] for c in unsharded["cases"]]
-    for ours, theirs in zip(joined["cases"], unsharded["cases"], strict=True):
+    for ours, theirs in zip(case_records(joined), case_records(unsharded), strict=True):
         assert comparable_case(ours) == comparable_case(theirs)  # statuses, metrics, digests
     assert joined["backends"] == unsharded["backends"]
     assert joined["config"] == unsharded["config"]
@@ -87,8 +89,7 @@ def test_merge_refuses_conflicting_results(shard_reports, capsys, tmp_path: Path
     report = read_report(whole)
     changed = copy.deepcopy(report)
     changed["cases"][0]["results"][0]["status"] = "disagree"
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(changed))
+    bad = write_json(tmp_path / "bad.json", changed)
     assert cli.main(["merge", str(whole), str(bad), "-o", str(tmp_path / "out.json")]) == 2
     assert (f"case {report['cases'][0]['case_id']} is in {whole} and {bad} with different "
             "results") in capsys.readouterr().err
@@ -115,6 +116,33 @@ def test_read_report_errors(tmp_path: Path) -> None:
     (tmp_path / "y.json").write_text('{"schema": "other/1"}')
     with pytest.raises(ReportError, match=f"expected '{REPORT_SCHEMA}'"):
         read_report(tmp_path / "y.json")
+
+
+def test_a_truncated_or_wrong_report_is_an_error_naming_the_file_and_field(
+        shard_reports, tmp_path: Path) -> None:
+    whole = shard_reports[0]
+    cut = tmp_path / "cut.json"
+    cut.write_text(whole.read_text()[: len(whole.read_text()) // 2])
+    with pytest.raises(ReportError, match=r"cut\.json: not JSON: .*looks truncated"):
+        read_report(cut)
+    report = read_report(whole)
+    for change, message in [
+        (lambda r: r["cases"][1]["results"][0].pop("seconds"),
+         "cases[1].results[0].seconds: missing"),
+        (lambda r: r["cases"][0]["results"][0]["comparison"].update(max_ratio="big"),
+         "cases[0].results[0].comparison.max_ratio: expected a number"),
+        (lambda r: r["cases"][2]["features"].update(max_page_id=1.5),
+         "cases[2].features.max_page_id: expected an integer, got float 1.5"),
+        (lambda r: r["backends"]["triton-unified"].pop("reason"),
+         "backends.triton-unified.reason: missing"),
+        (lambda r: r.update(extra=1), "extra: not a field of this entry"),
+    ]:
+        changed = copy.deepcopy(report)
+        change(changed)
+        bad = write_json(tmp_path / "bad.json", changed)
+        with pytest.raises(ReportError) as error:
+            read_report(bad)
+        assert str(error.value).startswith(f"{bad}: {message}")
 
 
 def test_report_entries_carry_features_and_output_digests(shard_reports) -> None:
@@ -195,8 +223,15 @@ def test_pytest_rejects_a_bad_shard(tmp_path: Path) -> None:
 def test_merge_keeps_every_shards_earlier_crashes(shard_reports) -> None:
     _, parts, _ = shard_reports
     reports = [(str(p), read_report(p)) for p in parts]
-    reports[1][1]["earlier_crashes"] = [{"case_id": "00000000000000aa", "artifact": "a"}]
-    reports[3][1]["earlier_crashes"] = [{"case_id": "00000000000000bb", "artifact": "b"}]
+    crashes = [_crash(case_records(reports[k][1])[0]) for k in (1, 3)]
+    reports[1][1]["earlier_crashes"] = [crashes[0].to_dict()]
+    reports[3][1]["earlier_crashes"] = [crashes[1].to_dict()]
     merged, _ = merge_reports(reports)
-    assert [c["case_id"] for c in merged["earlier_crashes"]] == [
-        "00000000000000aa", "00000000000000bb"]
+    assert case_records(merged, "earlier_crashes") == crashes
+
+
+def _crash(record: CaseRecord) -> CaseRecord:
+    """``record`` as the crash record an earlier, dead process would have left."""
+    return dataclasses.replace(
+        record, results=[ResultRecord("triton-unified", Status.CRASH, detail="died")],
+        timings={}, artifact=f"failures/{record.case_id}", unjudged=[], plugins=[])
