@@ -55,12 +55,12 @@ def _foreign_env() -> dict[str, str]:
             if k not in drop and not k.startswith("PYTEST_XDIST")}
 
 
-def _run_foreign(directory: Path, *args: str) -> dict:
+def _run_foreign(directory: Path, *args: str, passed: int = 2) -> dict:
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
                            *args], cwd=directory, env=_foreign_env(), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 passed" in done.stdout, done.stdout
+    assert f"{passed} passed" in done.stdout, done.stdout
     return json.loads((directory / "seen.json").read_text())
 
 
@@ -98,3 +98,27 @@ def test_the_ini_switch_activates_difftest(foreign: Path) -> None:
     seen = _run_foreign(foreign)
     assert "difftest._pytest_run" in seen["modules"]
     assert seen["profile"] == "difftest-dev" and seen["max_examples"] == 50
+
+
+FIXTURE_TEST = '''
+import json
+
+from hypothesis import settings
+
+
+def test_asks_for_the_session(difftest_session):
+    with open("session.json", "w") as fh:
+        json.dump({"reference": difftest_session.reference.name,
+                   "profile": settings.get_current_profile_name()}, fh)
+'''
+
+
+def test_asking_for_a_fixture_activates_difftest_without_touching_hypothesis(
+        foreign: Path) -> None:
+    (foreign / "test_fixture.py").write_text(FIXTURE_TEST)
+    seen = _run_foreign(foreign, "-p", "no:randomly", passed=3)
+    assert json.loads((foreign / "session.json").read_text()) == {
+        "reference": "torch-ref", "profile": "default"}
+    # test_fixture.py ran first: the project's later tests still had Hypothesis's defaults.
+    assert seen["profile"] == "default" and seen["max_examples"] == 100
+
