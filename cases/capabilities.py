@@ -5,7 +5,8 @@ one-block case of every ``(kv_layout, query_dtype, kv_dtype)`` tells which dtype
 it refuses outright (bf16 queries under Triton's interpreter, fp32 queries on AITER); the
 strategy then draws only the combinations all chosen backends run. A refusal that depends on
 more than the dtypes (irregular selections on ``vllm-triton-sparse``) is met while drawing: the
-case is drawn again, up to a few times. :meth:`Capabilities.lines` says what was not drawn, for
+case is drawn again, up to a few times. The kernel modes (softcap, sliding window) are drawn only
+if every backend runs them. :meth:`Capabilities.lines` says what was not drawn, for
 which backend and why, so a report still shows the part of the case space a run left out.
 """
 
@@ -25,6 +26,8 @@ from difftest.case import KV_LAYOUTS, Case
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
 
 REDRAWS = 4  # draws of a case some backend refuses before it is kept anyway
+MODE_PROBE_SOFTCAP = 30.0
+MODE_PROBE_WINDOW = 1
 
 
 def probe_case(combo: DtypeCombo) -> Case:
@@ -39,8 +42,10 @@ class Capabilities:
     """What the chosen backends run on a device, and what generation left out because of it.
 
     ``combos``: the dtype combinations drawn; ``refused``: ``(backend, combo, reason)`` for
-    every combination a backend refuses; ``redrawn``: how often a drawn case was refused, by
-    backend and reason (it grows as cases are drawn).
+    every combination a backend refuses; ``modes_refused``: ``(backend, reason)`` for every
+    backend that refuses the kernel modes (softcap, sliding window), which are then not
+    drawn; ``redrawn``: how often a drawn case was refused, by backend and reason (it grows
+    as cases are drawn).
     """
 
     device: torch.device
@@ -48,6 +53,7 @@ class Capabilities:
     combos: tuple[DtypeCombo, ...]
     refused: tuple[tuple[str, DtypeCombo, str], ...]
     skipped: tuple[tuple[str, str], ...] = ()
+    modes_refused: tuple[tuple[str, str], ...] = ()
     redrawn: Counter[tuple[str, str]] = field(default_factory=Counter)
 
     @classmethod
@@ -73,7 +79,13 @@ class Capabilities:
         refusals = Counter(combo for _, combo, _ in refused)
         fewest = min(refusals[c] for c in every)
         combos = tuple(c for c in every if refusals[c] == fewest)
-        return cls(device, tuple(usable), combos, tuple(refused), tuple(skipped))
+        with_modes = probe_case(combos[0]).replace(softcap=MODE_PROBE_SOFTCAP,
+                                                   sliding_window=MODE_PROBE_WINDOW)
+        modes_refused = [(b.name, reason) for b in usable
+                         if (reason := b.unsupported_reason(with_modes, device)) is not None
+                         and b.unsupported_reason(probe_case(combos[0]), device) is None]
+        return cls(device, tuple(usable), combos, tuple(refused), tuple(skipped),
+                   tuple(modes_refused))
 
     def unsupported_by(self, case: Case) -> list[tuple[str, str]]:
         """``(backend, reason)`` for every chosen backend that refuses ``case``."""
@@ -89,7 +101,8 @@ class Capabilities:
     def strategy(self, **options: Any) -> st.SearchStrategy[Case]:
         """:func:`~difftest.cases.strategies.cases` drawing only what every backend runs;
         ``options`` go to it (``max_batch``, ``selection_modes``, ...)."""
-        return cases(combos=self.combos, accept=self.accept, redraws=REDRAWS, **options)
+        return cases(combos=self.combos, accept=self.accept, redraws=REDRAWS,
+                     kernel_modes=not self.modes_refused, **options)
 
     def lines(self) -> list[str]:
         """What generation did not draw, for which backend and why (empty: nothing)."""
@@ -100,6 +113,8 @@ class Capabilities:
                 by_reason.setdefault((name, reason), []).append(combo)
         for (name, reason), combos in by_reason.items():
             out.append(f"not drawn for {name}: {describe_combos(combos)}: {reason}")
+        out += [f"not drawn for {name}: kernel modes (softcap, sliding window): {reason}"
+                for name, reason in self.modes_refused]
         kept = {c for _, c, _ in self.refused if c in self.combos}
         if kept:
             out.append(f"no dtype combination suits every backend; drawn: "

@@ -12,14 +12,16 @@ Draws are weighted toward where this family of bugs hides: the last physical blo
 up to ``(N-1)*16+7``, 2039 at 128 blocks) in a block every row attends, block 0, caches large
 enough for page ids past 2**16 (always with their last block attended), tails of 1 and 127
 tokens and exact multiples of 128, rows longer than top-k 16 x 128 tokens, empty selections,
-several query tokens per request, softmax scales other than ``head_dim**-0.5``, and fp8 scales
-from 1e-3 (stored values at the fp8 maximum) to 1e2.
+several query tokens per request, softmax scales other than ``head_dim**-0.5``, fp8 scales
+from 1e-3 (stored values at the fp8 maximum) to 1e2, and, in one case in eight, the kernel
+modes (softcap, sliding window, NaN canaries) of :mod:`difftest.cases.modes`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from difftest.cases.modes import with_kernel_modes
 from hypothesis import strategies as st
 
 from difftest.case import (
@@ -39,6 +41,7 @@ MAX_FULL_BLOCKS = 20  # up to 21 blocks per request: rows longer than top-k 16 x
 TOPKS = (1, 2, 3, 4, 8, 16)  # ascending, so a shrink shortens the rows
 Q_HEADS = (1, 8, 16, 64)
 SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
+KERNEL_MODES_ONE_IN = 8  # cases with softcap, sliding window and canaries drawn (modes.py)
 DtypeCombo = tuple[str, str, str]  # (kv_layout, query_dtype, kv_dtype)
 
 
@@ -93,13 +96,13 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     """One request, drawn in one piece: ``(seq_len, block table, selection rows)``.
 
     Its length fits the blocks still free, keeping one for each request that may follow
-    (up to ``max_batch``); 0 marks a padded request (one in eight, never the first; a shrink
-    unpads it). Its table takes free blocks (the last block first where favoured); a shrink
+    (up to ``max_batch``); 0 marks a padded request (about one in three, never the first; a
+    shrink unpads it). Its table takes free blocks (the last block first where favoured); a shrink
     moves them toward 0, 1, 2, ...
     """
     r = free.requests
     free.requests += 1
-    padded = r > 0 and draw(st.integers(0, 7)) == 7
+    padded = r > 0 and draw(st.integers(0, 2)) == 2
     budget = len(free)
     share = max(1, budget - (max_batch - r - 1))
     full = draw(st.integers(0, min(share - 1, MAX_FULL_BLOCKS)))
@@ -185,6 +188,7 @@ def cases(
     max_batch: int = 4,
     max_topk: int = 16,
     max_blocks: int = MAX_NUM_BLOCKS,
+    kernel_modes: bool = True,
     combos: Sequence[DtypeCombo] | None = None,
     accept: Callable[[Case], bool] | None = None,
     redraws: int = 4,
@@ -192,10 +196,13 @@ def cases(
     """A valid case; restrict dtypes, layouts or selection modes to fit a backend, or the
     batch, top-k and cache size to keep a test cheap.
 
-    ``combos`` narrows the ``(kv_layout, query_dtype, kv_dtype)`` triples further (the ones
-    the chosen backends support: :func:`difftest.cases.capabilities.cases_for`). ``accept``
-    rejects a drawn case, which is then drawn again, up to ``redraws`` more times (the last
-    draw is returned whatever ``accept`` says).
+    ``kernel_modes``: one case in :data:`KERNEL_MODES_ONE_IN` draws a softcap, a sliding
+    window and NaN canaries (:func:`difftest.cases.modes.with_kernel_modes`; a shrink
+    switches them off). ``combos`` narrows the ``(kv_layout, query_dtype, kv_dtype)``
+    triples further (the ones the chosen backends support:
+    :func:`difftest.cases.capabilities.cases_for`). ``accept`` rejects a drawn case, which
+    is then drawn again, up to ``redraws`` more times (the last draw is returned whatever
+    ``accept`` says).
     """
     allowed = [c for c in dtype_combos(layouts, query_dtypes, kv_dtypes)
                if combos is None or c in combos]
@@ -203,7 +210,7 @@ def cases(
         raise ValueError("cases: no (kv_layout, query_dtype, kv_dtype) is left: allowed "
                          f"layouts {layouts}, query dtypes {query_dtypes}, KV dtypes "
                          f"{kv_dtypes}, combos {tuple(combos or ())}")
-    one_case = _case(allowed, selection_modes, max_batch, max_topk, max_blocks)
+    one_case = _case(allowed, selection_modes, max_batch, max_topk, max_blocks, kernel_modes)
     for _ in range(redraws if accept is not None else 0):
         case = draw(one_case)
         if accept is not None and accept(case):
@@ -213,7 +220,7 @@ def cases(
 
 @st.composite
 def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple[str, ...],
-          max_batch: int, max_topk: int, max_blocks: int) -> Case:
+          max_batch: int, max_topk: int, max_blocks: int, kernel_modes: bool) -> Case:
     layout = draw(st.sampled_from(sorted({c[0] for c in allowed}, key=KV_LAYOUTS.index)))
     q_dtype = draw(st.sampled_from([q for q in QUERY_DTYPES
                                     if any(c[:2] == (layout, q) for c in allowed)]))
@@ -227,7 +234,8 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
     # the last block goes where every row looks, logical block 0 of the first request (the
     # indexer's forced init block, full whenever the request is longer than one block); a
     # uniform draw from thousands of blocks almost never selects the few past page id 2**16.
-    favour_last = n >= PAGE_IDS_PAST_2_16[layout] or draw(st.booleans())
+    # (two in three smaller caches too; a shrink unfavours it)
+    favour_last = n >= PAGE_IDS_PAST_2_16[layout] or draw(st.sampled_from((False, True, True)))
     free = FreeBlocks(n, favour_last)
     requests = draw(st.lists(request(free, dql, topk, mode, max_batch), min_size=1,
                              max_size=max_batch))
@@ -239,7 +247,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
     fp8 = kv_dtype in FP8_DTYPES
     k_scale = draw(fp8_scales()) if fp8 else 1.0
     v_scale = draw(fp8_scales()) if fp8 else 1.0
-    return Case(
+    case = Case(
         num_blocks=n,
         seq_lens=tuple(lens),
         block_tables=tuple(tuple(t) for t in tables),
@@ -255,3 +263,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         distribution=draw(st.sampled_from(DISTRIBUTIONS)),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
+    # sampled_from draws uniformly (integers() favours 0) and shrinks to 0: modes off
+    if kernel_modes and draw(st.sampled_from(range(KERNEL_MODES_ONE_IN))) == 1:
+        return draw(with_kernel_modes(case))
+    return case

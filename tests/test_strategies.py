@@ -138,6 +138,18 @@ def test_draws_only_cases_every_backend_runs_and_says_what_it_left_out() -> None
                for line in lines), lines
 
 
+def test_kernel_modes_are_drawn_only_where_every_backend_runs_them() -> None:
+    everyone = generated_cases(40, 0, Capabilities.probe([NO_BF16], CPU).strategy(
+        max_batch=2, max_topk=4))
+    assert any(c.kernel_modes for c in everyone)
+    no_modes = Picky("no-modes", lambda c: bool(c.kernel_modes), "no softcap, no window")
+    capabilities = Capabilities.probe([NO_BF16, no_modes], CPU)
+    drawn = generated_cases(40, 0, capabilities.strategy(max_batch=2, max_topk=4))
+    assert not any(c.kernel_modes for c in drawn)
+    assert ("not drawn for no-modes: kernel modes (softcap, sliding window): no softcap, "
+            "no window") in capabilities.lines()
+
+
 def test_without_a_common_combination_the_most_supported_ones_are_drawn() -> None:
     only_fp32 = Picky("fp32-only", lambda c: c.query_dtype != "float32", "fp32 queries only")
     no_fp32 = Picky("no-fp32", lambda c: c.query_dtype == "float32", "no fp32 queries")
