@@ -102,8 +102,9 @@ def _read_mask(var: str, value: str, available: int) -> tuple[tuple[str, ...], s
             if index < 0:
                 return tuple(entries), None
             if index >= available:
-                return tuple(entries), (f"{var}={value} names GPU {index}, but only {available} "
-                                        f"GPU(s) exist below it (indices 0..{available - 1})")
+                exist = (f"only {available} GPU(s) exist below it (indices 0..{available - 1})"
+                         if available else "no GPU is left visible below it")
+                return tuple(entries), f"{var}={value} names GPU {index}, but {exist}"
             entry = str(index)
         elif not entry.startswith(UUID_PREFIXES):
             raise VisibilityError(f"{var}={value!r}: entry {entry!r} is neither a GPU index "

@@ -131,6 +131,10 @@ def test_amd_masks_nest_and_auto_agrees_with_pinning(host, monkeypatch) -> None:
     monkeypatch.delenv(HIP)
     monkeypatch.setenv(CUDA, "")  # HIP reads CUDA_VISIBLE_DEVICES too
     assert devices.resolve("auto") == "cpu" and _pinned_plan(2) == [{}, {}]
+    monkeypatch.setenv(ROCR, "")
+    monkeypatch.setenv(CUDA, "0")
+    assert platform.visible_in_this_process().inconsistency == (
+        "CUDA_VISIBLE_DEVICES=0 names GPU 0, but no GPU is left visible below it")
 
 
 def test_amd_differing_hip_and_cuda_masks(host, monkeypatch) -> None:
