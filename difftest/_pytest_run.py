@@ -46,6 +46,8 @@ from difftest import devices, pinning
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, promote_command, repro_command
 from difftest.case import Case
 from difftest.fingerprint import fingerprint
+from difftest.jsonfile import dumps
+from difftest.records import CaseRecord
 from difftest.registry import split_names
 from difftest.report import build_report, summary, write_report
 from difftest.runner import CaseResult
@@ -218,7 +220,7 @@ class RunLog:
         """Append one line ``{"kind": kind, "writer": ..., **fields}``."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as fh:
-            fh.write(json.dumps({"kind": kind, "writer": self.writer, **fields}) + "\n")
+            fh.write(dumps({"kind": kind, "writer": self.writer, **fields}) + "\n")
 
     @staticmethod
     def read(directory: Path) -> list[dict[str, Any]]:
@@ -260,7 +262,7 @@ class DifftestRun:
         self.shard = shard
         self.store = ArtifactStore(option(config, "--difftest-artifacts"))
         self.report: dict[str, Any] | None = None
-        self.earlier_crashes: list[dict[str, Any]] = []
+        self.earlier_crashes: list[CaseRecord] = []
         self._session: Session | None = None
         self._item: pytest.Item | None = None
         self._item_results: list[CaseResult] = []
@@ -311,8 +313,7 @@ class DifftestRun:
         session = self.session()
         result = session.run(case)
         nodeid = self._item.nodeid if self._item is not None else None
-        self.log.write("case", record=session.records[-1] | {"worker": self.writer,
-                                                              "nodeid": nodeid})
+        self.log.write("case", record=session.records[-1].in_pytest(self.writer, nodeid).to_dict())
         if self._item is not None:
             self._item.user_properties.append(case_property(result))
         self._item_results.append(result)
@@ -414,7 +415,7 @@ class DifftestRun:
             "runner": "pytest", "shard": str(self.shard) if self.shard else None,
             "hypothesis_profile": profile}, xdist=self.role == "controller")
         if self.earlier_crashes:
-            self.report["earlier_crashes"] = self.earlier_crashes
+            self.report["earlier_crashes"] = [c.to_dict() for c in self.earlier_crashes]
         if path:
             write_report(path, self.report)
 
@@ -440,8 +441,9 @@ def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
                       key=lambda line: line["writer"])
     discarded = {(line["nodeid"], case_id) for line in lines if line["kind"] == "discard"
                  for case_id in line["case_ids"]}
-    records = [line["record"] for line in lines if line["kind"] == "case"
-               and (line["record"].get("nodeid"), line["record"]["case_id"]) not in discarded]
+    records = [r for r in (CaseRecord.from_dict(line["record"], "run log record")
+                           for line in lines if line["kind"] == "case")
+               if (r.pytest and r.pytest.nodeid, r.case_id) not in discarded]
     backends: dict[str, dict[str, Any]] = {}
     for line in sessions:
         for name, entry in line["backends"].items():
@@ -461,8 +463,8 @@ def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
                 workers[line["writer"]].update(
                     {k: line["fingerprint"].get(k) for k in WORKER_GPU_FIELDS})
         for record in records:
-            if record.get("worker") in workers:
-                workers[record["worker"]]["cases"] += 1
+            if record.pytest and record.pytest.worker in workers:
+                workers[record.pytest.worker]["cases"] += 1
     environment = sessions[0]["fingerprint"] if sessions else fingerprint()
     return build_report(records, backends, config, environment, workers)
 
@@ -475,7 +477,7 @@ class XdistController:
         self.plan: list[dict[str, str]] = []
         self.slots: dict[str, int] = {}
         self.free_slots: list[int] = []
-        self.crashes: dict[str, list[dict[str, Any]]] = {}
+        self.crashes: dict[str, list[CaseRecord]] = {}
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_setupnodes(self, config: pytest.Config, specs: list[Any]) -> None:
@@ -514,7 +516,7 @@ class XdistController:
         records = self.run.store.recover_crashes(
             f"xdist worker {worker} died ({str(error).strip() or 'no message'})", pids=pids)
         for record in records:
-            self.run.log.write("case", record=record | {"worker": worker, "nodeid": None})
+            self.run.log.write("case", record=record.in_pytest(worker, None).to_dict())
         self.crashes[worker] = records
 
     @pytest.hookimpl(optionalhook=True)
@@ -522,9 +524,9 @@ class XdistController:
                                sched: Any) -> None:
         """Add the crashed case and its replay command to the test's failure."""
         worker = report.node.workerinput["workerid"]  # type: ignore[attr-defined]
-        lines = [f"CRASH case {r['case_id']}: replay with "
-                 f"{repro_command(r['artifact'], r.get('plugins', ()))}\n"
-                 + "\n".join(f"  {x['backend']}: {x['detail']}" for x in r["results"])
+        lines = [f"CRASH case {r.case_id}: replay with "
+                 f"{repro_command(r.artifact or '-', r.plugins or ())}\n"
+                 + "\n".join(f"  {x.backend}: {x.detail}" for x in r.results)
                  for r in self.crashes.get(worker, [])]
         if lines:
             report.longrepr = f"{report.longrepr}\n" + "\n".join(lines)
@@ -535,4 +537,4 @@ class XdistController:
                 if line["kind"] == "worker"}
         for record in self.run.store.recover_crashes("an xdist worker of this run died",
                                                      pids=pids):
-            self.run.log.write("case", record=record | {"worker": None, "nodeid": None})
+            self.run.log.write("case", record=record.in_pytest(None, None).to_dict())

@@ -364,14 +364,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from difftest.case import CaseError
     from difftest.casefile import CaseFileError
+    from difftest.jsonfile import JSONFileError
     from difftest.platform import VisibilityError
+    from difftest.records import RecordError
     from difftest.registry import RegistryError
 
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
     except (RegistryError, CaseError, CaseFileError, VisibilityError, UsageError, OSError,
-            json.JSONDecodeError) as exc:
+            json.JSONDecodeError, JSONFileError, RecordError) as exc:
         print(f"difftest {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
 

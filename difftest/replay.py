@@ -13,22 +13,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from difftest.artifacts import ArtifactStore, repro_command
+from difftest.artifacts import ArtifactStore, read_results, repro_command
 from difftest.case import Case, CaseError
 from difftest.casefile import CaseFileError, case_from_object, read_case, read_case_json
+from difftest.records import CaseRecord
 
 REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
 
 
-def report_previous_crashes(root: str, found_by: str) -> list[dict[str, Any]]:
+def report_previous_crashes(root: str, found_by: str) -> list[CaseRecord]:
     """Turn cases left pending by dead processes (runs and replays) into crash artifacts,
     say so on stderr, and return their records."""
     records = []
     for store in (ArtifactStore(root), ArtifactStore(Path(root) / REPLAYS)):
         records += store.recover_crashes(f"found by {found_by} after the process died")
     for record in records:
-        print(f"CRASH case {record['case_id']} (an earlier run died in it): replay with "
-              f"{repro_command(record['artifact'], record.get('plugins', ()))}",
+        print(f"CRASH case {record.case_id} (an earlier run died in it): replay with "
+              f"{repro_command(record.artifact or '-', record.plugins or ())}",
               file=sys.stderr)
     return records
 
@@ -40,7 +41,7 @@ def load_source(path: Path) -> tuple[Case, dict[str, Any] | None, dict[str, Any]
         recorded = path / "results.json"
         environment = path / "fingerprint.json"
         return (read_case(path / "case.json"),
-                read_case_json(recorded) if recorded.is_file() else None,
+                read_results(recorded).to_dict() if recorded.is_file() else None,
                 read_case_json(environment) if environment.is_file() else None)
     payload = read_case_json(path)
     if isinstance(payload, dict) and "case" in payload and "pid" in payload:  # a pending file
@@ -115,7 +116,7 @@ def replay(path: Path, backend_names: list[str] | None, plugins: Sequence[str], 
         print(f"  recorded on: {_environment_line(environment)}")
     print(f"  replayed on: {_environment_line(session.environment)}")
     result = session.run(case)
-    record = session.records[-1]
+    record = session.records[-1].to_dict()
     recorded_results = {r["backend"]: r for r in (recorded or {}).get("results", [])}
     print(f"  {'backend':<24} {'status':<12} {'err/tol':<10} {'output':<13} recorded")
     for entry in record["results"]:

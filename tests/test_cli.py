@@ -13,8 +13,16 @@ from difftest.cases.corpus import CORPUS_DIR, load_corpus
 from difftest import cli
 from difftest.artifacts import ArtifactStore
 from difftest.case import Case
+from difftest.coverage import case_features
+from difftest.records import CaseRecord, ResultRecord, Status
 
 TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
+
+
+def _record(case: Case, results: list[ResultRecord]) -> CaseRecord:
+    """A failure directory's record of ``case`` with ``results``."""
+    return CaseRecord(case.case_id, case.name, case.to_dict(), case_features(case), "torch-ref",
+                      results)
 
 
 def _die_in(root: Path, case: Case, backends: list[str]) -> int:
@@ -82,7 +90,7 @@ def test_repro_of_an_unreadable_path_exits_2(tmp_path: Path, capsys, device_name
 
 def test_promote_pins_an_artifact_directory(tmp_path: Path, capsys) -> None:
     store = ArtifactStore(tmp_path / "artifacts")
-    directory = store.write_failure(TINY, {"case_id": TINY.case_id, "results": []}, {})
+    directory = store.write_failure(TINY, _record(TINY, []), {})
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     assert cli.main(["promote", str(directory), "tiny-tail", "--corpus", str(corpus)]) == 0
@@ -142,8 +150,8 @@ def test_repro_replays_a_recorded_backend_configured_by_its_name(tmp_path: Path,
     """A failure of ``aiter-gluon@emulated[k_trim=off]`` replays as printed, with no flags."""
     case = {c.name: c for c in load_corpus(CORPUS_DIR)}["lbhnc-128-blocks-2048-2040-page-2039"]
     backend = "aiter-gluon@emulated[k_trim=off]"
-    directory = ArtifactStore(tmp_path / "artifacts").write_failure(case, {
-        "case_id": case.case_id, "results": [{"backend": backend, "status": "error"}]}, {})
+    directory = ArtifactStore(tmp_path / "artifacts").write_failure(
+        case, _record(case, [ResultRecord(backend, Status.ERROR)]), {})
     code = cli.main(["repro", str(directory), "--device", device_name,
                      "--artifacts", str(tmp_path / "replays")])
     out = capsys.readouterr().out
