@@ -33,7 +33,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ def register_profiles() -> None:
         suppress_health_check=_SLOW, phases=list(Phase), database=database)
 
 
-def chosen_profile(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+def chosen_profile(environ: Mapping[str, str] = os.environ) -> str:
     """``ci``, ``dev`` or ``nightly`` from ``HYPOTHESIS_PROFILE`` (default by ``CI``)."""
     name = environ.get(PROFILE_ENV, "ci" if environ.get("CI") else "dev")
     if name not in PROFILES:
