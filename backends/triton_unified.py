@@ -9,8 +9,8 @@ sliding window ``W`` as ``window_size=(W - 1, 0)``: the row's query sits at the 
 attended sequence, so the window is the last ``W`` attended tokens. Native on a GPU; on the
 CPU under ``TRITON_INTERPRET=1``.
 
-``triton-unified[vllm=0.30.0]`` (or ``vllm=/path/to/tree``) runs that release's kernel files
-instead of the venv's (:mod:`difftest.backends.vllm_release`).
+``triton-unified[vllm=0.30.0]`` (or ``vllm=/path/to/tree``, or ``$DIFFTEST_VLLM``) runs that
+release's kernel files instead of the venv's (:mod:`difftest.backends.vllm_release`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from difftest.backends.vllm_imports import triton_availability, triton_precision, vllm_version
-from difftest.backends.vllm_release import Release, resolve
+from difftest.backends.vllm_release import chosen_release
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
@@ -45,7 +45,7 @@ class TritonUnifiedAttention:
 
     def __init__(self, allow_interpreter_bf16: bool = False, vllm: str | None = None) -> None:
         self.allow_interpreter_bf16 = allow_interpreter_bf16
-        self.release: Release | None = resolve(vllm) if vllm else None
+        self.release, self.release_error = chosen_release(vllm)
         self.name = f"triton-unified[vllm={vllm}]" if vllm else "triton-unified"
 
     def with_options(self, options: Mapping[str, str]) -> TritonUnifiedAttention:
@@ -58,6 +58,8 @@ class TritonUnifiedAttention:
     def availability(self) -> Availability:
         """Needs vLLM (the chosen release's kernel file where one is named), and a GPU or
         the Triton interpreter."""
+        if self.release_error:
+            return Availability(False, self.release_error)
         if self.release is not None and self.release.find(*KERNEL_FILES) is None:
             return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
                                 f"has no {' or '.join(KERNEL_FILES)}")

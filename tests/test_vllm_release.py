@@ -3,7 +3,7 @@
 A fake release tree checks the loading itself (private module names, sibling kernel modules
 from the release, packages' ``__init__`` never run, the version from the tree); the real
 releases, where ``scripts/fetch_vllm.sh`` put them under ``$DIFFTEST_VLLM_ROOT``, check the
-two historical bugs on their shrunk cases (docs/findings.md F7, F8).
+two historical bugs on their shrunk cases (docs/findings.md F9, F10).
 """
 
 from __future__ import annotations
@@ -78,6 +78,20 @@ def test_versions_resolve_under_the_root(tmp_path: Path, monkeypatch) -> None:
         resolve("0.0.8")
 
 
+def test_the_environment_chooses_the_release_of_plainly_named_backends(
+        tmp_path: Path, monkeypatch) -> None:
+    """``$DIFFTEST_VLLM``: one run per release, same backend names, so gate compares them."""
+    fake_release(tmp_path / "0.0.5", version="0.0.5")
+    monkeypatch.setenv("DIFFTEST_VLLM_ROOT", str(tmp_path))
+    monkeypatch.setenv("DIFFTEST_VLLM", "0.0.5")
+    for backend in (TritonUnifiedAttention(), VllmTritonSparse()):
+        assert "[" not in backend.name and backend.versions()["vllm"] == "0.0.5"
+    monkeypatch.setenv("DIFFTEST_VLLM", "0.0.4")
+    availability = TritonUnifiedAttention().availability()
+    assert not availability.available
+    assert availability.reason.startswith("$DIFFTEST_VLLM: vllm=0.0.4: no vLLM package at")
+
+
 def test_bad_options_are_registry_errors_naming_them(tmp_path: Path) -> None:
     known = {"triton-unified": TritonUnifiedAttention(), "vllm-triton-sparse": VllmTritonSparse()}
     with pytest.raises(RegistryError, match="no vLLM package at"):
@@ -95,7 +109,7 @@ def _release(version: str) -> TritonUnifiedAttention:
     try:
         return TritonUnifiedAttention(vllm=version)
     except ReleaseError as err:
-        pytest.skip(f"{err} (bash scripts/fetch_vllm.sh {version})")
+        pytest.skip(str(err))
 
 
 SOFTCAP_SHRUNK = Case(num_blocks=128, seq_lens=(128,), block_tables=((0,),),
@@ -110,7 +124,7 @@ WINDOW_SHRUNK = Case(num_blocks=128, seq_lens=(128,), block_tables=((0,),), sele
     (WINDOW_SHRUNK, "0.13.0", "0.14.0"),
 ], ids=["softcap-nan", "sliding-window-nan"])
 def test_the_historical_bugs_on_their_shrunk_cases(case, buggy, fixed, device_name) -> None:
-    """F7/F8: the buggy release writes NaN on the whole row; the next release agrees."""
+    """F9/F10: the buggy release writes NaN on the whole row; the next release agrees."""
     bad, good = _release(buggy), _release(fixed)
     result = run_case(case, TorchReference(), [bad, good, TritonUnifiedAttention()],
                       torch.device(device_name))
