@@ -1,0 +1,129 @@
+"""The parameter-coverage audit: its argument lists are the kernels' signatures, it sees the
+values the cases give, and it flags an argument that never varies."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from difftest.backends.pa_decode_gluon_contract import GluonEmulator
+from difftest.backends.vllm_imports import import_minimax_m3
+from difftest.cases.capabilities import Capabilities
+from difftest.cases.corpus import load_corpus
+from difftest.cases.generate import generated_cases
+
+from difftest.audit import KERNELS, audit, audit_lines, blind_spots, kernel_of
+from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
+from difftest.registry import discover, select
+
+CPU = torch.device("cpu")
+
+# AITER pa_decode_gluon, aiter/ops/triton/gluon/pa_decode_gluon.py L5195-5216 at 37b5395e
+# (/work/shared/reference/aiter-pa-decode-gluon.md, section 1)
+AITER_PA_DECODE_GLUON = (
+    "output", "query", "key_cache", "value_cache", "context_lengths", "block_tables",
+    "softmax_scale", "query_length", "max_context_partition_num", "context_partition_size",
+    "compute_type", "query_scale", "key_scale", "value_scale", "exp_sums", "max_logits",
+    "temporary_output", "alibi_slopes", "sinks", "sliding_window", "ps")
+DEFAULT_CPU_BACKENDS = ("triton-unified", "vllm-triton-sparse", "aiter-gluon@emulated",
+                        "vllm-aiter@emulated")
+
+
+def _parameters(function: object) -> tuple[str, ...]:
+    return tuple(p for p in inspect.signature(function).parameters if p != "self")
+
+
+def test_argument_lists_are_the_installed_signatures() -> None:
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    sparse_attn = import_minimax_m3("common.ops.sparse_attn")
+    sparse_pa = import_minimax_m3("amd.ops.sparse_pa")
+    signatures = {
+        "unified_attention": _parameters(unified_attention),
+        "minimax_m3_sparse_attn_decode": _parameters(sparse_attn.minimax_m3_sparse_attn_decode),
+        "minimax_m3_sparse_attn_decode_aiter": _parameters(
+            sparse_pa.minimax_m3_sparse_attn_decode_aiter),
+        "pa_decode_gluon": AITER_PA_DECODE_GLUON,
+    }
+    assert _parameters(GluonEmulator.pa_decode_gluon) == AITER_PA_DECODE_GLUON
+    for kernel, arguments in KERNELS.items():
+        assert tuple(a.name for a in arguments) == signatures[kernel], kernel
+        assert all(a.value is not None or a.fixed for a in arguments), kernel
+
+
+def test_backend_names_map_to_their_kernel() -> None:
+    assert kernel_of("triton-unified") == "unified_attention"
+    assert kernel_of("triton-unified!page-stride-8") == "unified_attention"
+    assert kernel_of("aiter-gluon@emulated[k_trim=off]") == "pa_decode_gluon"
+    assert kernel_of("torch-ref") is None
+
+
+def test_a_single_value_is_a_blind_spot_and_a_second_value_lifts_it() -> None:
+    case = load_corpus()[0]
+    blind = {c.argument.name for c in blind_spots([case], ["aiter-gluon@emulated"])}
+    assert {"query", "softmax_scale", "key_cache"} <= blind
+    other = case.replace(softmax_scale=1.0)
+    assert "softmax_scale" not in {c.argument.name for c in blind_spots(
+        [case, {"case": other.to_dict()}], ["aiter-gluon@emulated"])}
+
+
+def test_fixed_arguments_are_never_blind() -> None:
+    case = load_corpus()[0]
+    for coverage in audit([case], ["triton-unified"]):
+        if coverage.argument.fixed:
+            assert not coverage.blind
+            assert len(coverage.values) == (coverage.argument.value is not None)
+
+
+def _default_backends() -> list:
+    backends = [b for b in select(discover(), DEFAULT_CPU_BACKENDS)
+                if b.availability().available]
+    if len(backends) != len(DEFAULT_CPU_BACKENDS):
+        pytest.skip("a default CPU backend is unavailable here")
+    return backends
+
+
+def _run(backends: list) -> list:
+    """The README's default CPU run: the corpus plus 50 cases drawn for ``backends``."""
+    return load_corpus() + generated_cases(50, 0, Capabilities.probe(backends, CPU).strategy())
+
+
+@pytest.mark.parametrize("name", DEFAULT_CPU_BACKENDS)
+def test_a_backend_run_alone_varies_every_argument_not_fixed(name: str) -> None:
+    (backend,) = [b for b in _default_backends() if b.name == name]
+    assert [c.argument.name for c in blind_spots(_run([backend]), [backend], CPU)] == []
+
+
+def test_the_default_run_leaves_only_the_dtypes_other_backends_refuse() -> None:
+    """Drawn for all four default CPU backends, the only query dtype every one of them runs
+    is float16 (Triton's interpreter refuses bf16, AITER fp32): an argument that is a dtype
+    alone may then be blind, nothing else."""
+    backends = _default_backends()
+    dtypes = set(QUERY_DTYPES) | set(KV_DTYPES) | {"fp8"}
+    blind = blind_spots(_run(backends), backends, CPU)
+    assert all(set(c.values) <= dtypes for c in blind), blind
+
+
+def test_records_count_only_the_cases_a_backend_ran() -> None:
+    case = load_corpus()[0]
+    other = case.replace(softmax_scale=1.0)
+    records = [{"case": case.to_dict(), "results": [{"backend": "triton-unified",
+                                                     "status": "agree"}]},
+               {"case": other.to_dict(), "results": [{"backend": "triton-unified",
+                                                      "status": "unsupported"}]}]
+    (scale,) = [c for c in audit(records, ["triton-unified"]) if c.argument.name ==
+                "softmax_scale"]
+    assert scale.cases == 1 and scale.blind
+    records[1]["results"][0]["status"] = "disagree"
+    assert "softmax_scale" not in {c.argument.name for c in blind_spots(records,
+                                                                        ["triton-unified"])}
+
+
+def test_lines_show_values_fixed_reasons_and_unknown_backends() -> None:
+    cases = load_corpus()
+    lines = audit_lines(cases, ["torch-ref", "aiter-gluon@emulated"])
+    assert lines[0] == f"parameter coverage over {len(cases)} cases"
+    assert "  torch-ref: no kernel signature known to the audit" in lines
+    assert any(line.split()[0] == "query_length" and "fixed 1:" in line for line in lines[2:])
+    assert any(line.split()[0] == "compute_type" and "value(s):" in line for line in lines[2:])
