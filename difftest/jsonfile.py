@@ -101,9 +101,26 @@ def loads(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        cut = " (the file looks truncated)" if exc.pos >= len(text.rstrip()) else ""
-        raise JSONFileError(f"{where}: not JSON: {exc.msg} at line {exc.lineno} column "
-                            f"{exc.colno}{cut}") from exc
+        cut = " - the file looks truncated" if _unclosed(text) else ""
+        raise JSONFileError(f"{where}: not JSON: {exc.msg} (line {exc.lineno} column "
+                            f"{exc.colno}){cut}") from exc
+
+
+def _unclosed(text: str) -> bool:
+    """Whether ``text`` ends inside a string, an object or an array it opened (the end of a
+    JSON document is missing), counting brackets outside strings."""
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            escaped, in_string = (not escaped and char == "\\",
+                                  in_string and (escaped or char != '"'))
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+    return in_string or depth > 0
 
 
 def read_json(path: Path | str) -> Any:

@@ -65,10 +65,16 @@ def test_old_files_with_bare_tokens_still_read(tmp_path) -> None:
 def test_a_truncated_file_is_an_error_naming_the_file(tmp_path) -> None:
     good = write_json(tmp_path / "r.json", VALUE)
     cut = tmp_path / "cut.json"
-    cut.write_text(good.read_text()[:40])
-    with pytest.raises(JSONFileError,
-                       match=rf"^{re.escape(str(cut))}: not JSON: .*the file looks truncated"):
+    text = good.read_text()
+    for end in range(1, len(text) - 2):  # a write killed after any byte
+        cut.write_text(text[:end])
+        with pytest.raises(JSONFileError,
+                           match=rf"^{re.escape(str(cut))}: not JSON: .* the file looks truncated"):
+            read_json(cut)
+    cut.write_text("hello")
+    with pytest.raises(JSONFileError, match=r"cut\.json: not JSON: Expecting value") as error:
         read_json(cut)
+    assert not str(error.value).endswith("looks truncated")
     (tmp_path / "empty.json").write_text("")
     with pytest.raises(JSONFileError, match=r"empty\.json: empty"):
         read_json(tmp_path / "empty.json")
