@@ -38,7 +38,7 @@ from difftest.runner import run_case
 case = {c.name: c for c in load_corpus()}["lbhnc-128-blocks-2048-2040-page-2039"]
 backends = [VllmAiter(emulated=True), VllmAiter(emulated=True, options={"revision": "v0.1.20"})]
 result = run_case(case, TorchReference(), backends, torch.device("cpu"))
-print(json.dumps([r.to_dict() for r in result.results]))
+print(json.dumps([r.record().to_dict() for r in result.results]))
 """
 
 
