@@ -26,7 +26,6 @@ share it safely.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -46,7 +45,7 @@ from difftest import devices, pinning
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, promote_command, repro_command
 from difftest.case import Case
 from difftest.fingerprint import fingerprint
-from difftest.jsonfile import dumps
+from difftest.jsonfile import dumps, loads
 from difftest.records import CaseRecord
 from difftest.registry import split_names
 from difftest.report import build_report, summary, write_report
@@ -224,12 +223,17 @@ class RunLog:
 
     @staticmethod
     def read(directory: Path) -> list[dict[str, Any]]:
-        """Every line of every log under ``directory``, file by file (sorted by name)."""
+        """Every complete line of every log under ``directory``, file by file (sorted by name).
+
+        A last line without its newline is the append a process was killed in; it is dropped
+        (the case it would have recorded is still pending, so it is reported as a crash). Any
+        other unreadable line is an error naming the file and the line.
+        """
         lines = []
         for path in sorted(directory.glob("*.jsonl")):
-            for text in path.read_text().splitlines():
-                if text.strip():
-                    lines.append(json.loads(text))
+            *complete, _cut = path.read_text().split("\n")
+            lines.extend(loads(text, f"{path} line {n}")
+                         for n, text in enumerate(complete, start=1) if text.strip())
         return lines
 
 
