@@ -1,0 +1,77 @@
+"""The wheel holds one top-level package, difftest: backends/ and cases/ inside it, no
+benchmarks/ or mutants/, the case corpus included, every entry point resolvable in it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from configparser import ConfigParser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("pyproject.toml", "README.md", "difftest", "backends", "cases", "mutants", "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
+    """The wheel pip builds from a copy of the checkout (offline, no build isolation)."""
+    pytest.importorskip("setuptools")
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "src"
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            source.mkdir(exist_ok=True)
+            shutil.copy2(path, source / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "--disable-pip-version-check", "-w", str(tmp),
+                    str(source)], env=env, check=True, timeout=300)
+    (built,) = tmp.glob("difftest-*.whl")
+    with zipfile.ZipFile(built) as archive:
+        yield archive
+
+
+def test_the_only_top_level_package_is_difftest(wheel: zipfile.ZipFile) -> None:
+    top = {name.split("/", 1)[0] for name in wheel.namelist()}
+    dist_info = {name for name in top if name.endswith(".dist-info")}
+    assert len(dist_info) == 1 and next(iter(dist_info)).startswith("difftest-")
+    assert top - dist_info == {"difftest"}
+
+
+def test_backends_and_cases_live_in_the_namespace(wheel: zipfile.ZipFile) -> None:
+    names = set(wheel.namelist())
+    for folder, package in (("backends", "difftest/backends"), ("cases", "difftest/cases")):
+        modules = {p.name for p in (ROOT / folder).glob("*.py")}
+        assert modules and {f"{package}/{m}" for m in modules} <= names
+    assert not any("/mutants/" in n or "/benchmarks/" in n or n.startswith(("mutants/",
+                   "benchmarks/")) for n in names)
+
+
+def test_the_case_corpus_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
+    corpus = {p.name for p in (ROOT / "cases" / "corpus").glob("*.json")}
+    packed = {n.rsplit("/", 1)[1] for n in wheel.namelist()
+              if n.startswith("difftest/cases/corpus/") and n.endswith(".json")}
+    assert corpus and packed == corpus
+
+
+def test_every_entry_point_names_a_module_in_the_wheel(wheel: zipfile.ZipFile) -> None:
+    (entry_points,) = (n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt"))
+    parser = ConfigParser()
+    parser.read_string(wheel.read(entry_points).decode())
+    names = set(wheel.namelist())
+    targets = [value for section in parser.sections() for value in parser[section].values()]
+    assert any(t.startswith("difftest.backends.") for t in targets)
+    for target in targets:
+        module = target.split(":", 1)[0].strip()
+        path = module.replace(".", "/")
+        assert f"{path}.py" in names or f"{path}/__init__.py" in names, target
