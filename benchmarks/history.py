@@ -8,7 +8,8 @@ Each pair is a release with a known bug and the release that fixed it, as backen
 (``triton-unified[vllm=<version>]``: :mod:`difftest.backends.vllm_release` resolves versions
 under ``$DIFFTEST_VLLM_ROOT``; fetch them with ``scripts/fetch_vllm.sh VERSION``). Per pair a
 derandomized Hypothesis run of the strategies with the kernel modes drawn
-(:func:`difftest.cases.strategies.cases` then :func:`difftest.cases.modes.with_kernel_modes`)
+(:func:`difftest.cases.strategies.cases` with :func:`difftest.cases.modes.with_kernel_modes`
+in every case; ``--strategy default`` draws them as ``difftest run`` does, one case in eight)
 runs every example on the buggy release, the fixed release and the venv's vLLM (the
 control), against ``torch-ref``, until the buggy release first disagrees (or errors). Then
 Hypothesis shrinks that case on the buggy release alone within a budget of kernel runs;
@@ -24,7 +25,6 @@ must be none.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 from difftest import devices
 from difftest.backend import Backend, RunInputs
 from difftest.case import Case
+from difftest.jsonfile import write_json
 from difftest.runner import FAILING, Status, run_case
 
 CONTROL = "triton-unified"  # the venv's vLLM (0.33.0)
@@ -147,13 +148,20 @@ class _Disagreement(Exception):
         self.case = case
 
 
-def default_strategy() -> st.SearchStrategy[Case]:
-    """The strategies with the kernel modes drawn, in the interpreter's reach (no bf16)."""
+STRATEGIES = ("modes", "default")
+
+
+def strategy_named(name: str) -> st.SearchStrategy[Case]:
+    """``modes``: the strategies with the kernel modes drawn in every case (each mode on in
+    half of them); ``default``: the strategies exactly as ``difftest run`` draws them (modes
+    in one case in eight). Both in the interpreter's reach: no bf16, small batches and top-k."""
     from difftest.cases.modes import with_kernel_modes
     from difftest.cases.strategies import cases
 
-    return cases(query_dtypes=("float16", "float32"), max_batch=2,
-                 max_topk=4).flatmap(with_kernel_modes)
+    small = {"query_dtypes": ("float16", "float32"), "max_batch": 2, "max_topk": 4}
+    if name == "default":
+        return cases(**small)
+    return cases(**small, kernel_modes=False).flatmap(with_kernel_modes)
 
 
 def known_bugs(version: str, case: Case) -> list[str]:
@@ -318,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shrink-runs", type=int, default=60)
     parser.add_argument("--sweep", type=int, default=50,
                         help="cases of the every-release sweep (0: none)")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="modes",
+                        help="modes: kernel modes in every case; default: as difftest run "
+                        "draws them")
     parser.add_argument("--json", help="write the outcomes here")
     args = parser.parse_args(argv)
     devices.prepare_runtime("cpu" if devices.visible_gpu_count() == 0 else "cuda")
@@ -337,27 +348,27 @@ def main(argv: list[str] | None = None) -> int:
     known = {b.name: b for b in (TorchReference(), TritonUnifiedAttention(), VllmTritonSparse())}
     reference = select(known, ["torch-ref"])[0]
     control = select(known, [args.control])[0]
+    strategy = strategy_named(args.strategy)
     outcomes = []
     start = time.perf_counter()
     for target, name, buggy_name, fixed_name in pairs:
         buggy, fixed = select(known, [buggy_name, fixed_name])
-        outcomes.append(hunt(target, name, (buggy, fixed, control), reference,
-                             default_strategy(), device, args.examples, args.shrink_runs))
+        outcomes.append(hunt(target, name, (buggy, fixed, control), reference, strategy,
+                             device, args.examples, args.shrink_runs))
     releases = list(dict.fromkeys(n for o in outcomes for n in (o.buggy, o.fixed)))
-    swept_cases = generated_cases(args.sweep, 0, default_strategy()) if args.sweep else []
+    swept_cases = generated_cases(args.sweep, 0, strategy) if args.sweep else []
     swept, sweep_failures = sweep(swept_cases, select(known, [*releases, control.name]),
                                   reference, device)
     print(summary(outcomes, swept, sweep_failures, len(swept_cases)))
     print(f"\ntotal {time.perf_counter() - start:.1f} s on {device.type}"
           f"{' (Triton interpreted)' if devices.interpreted() else ''}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device.type, "interpreted": devices.interpreted(),
-                       "examples": args.examples, "shrink_runs": args.shrink_runs,
-                       "outcomes": [asdict(o) for o in outcomes],
-                       "sweep": {"cases": len(swept_cases), "statuses": swept,
-                                 "failures": [asdict(f) for f in sweep_failures]}},
-                      f, indent=1)
+        write_json(args.json, {"device": device.type, "interpreted": devices.interpreted(),
+                               "strategy": args.strategy,
+                               "examples": args.examples, "shrink_runs": args.shrink_runs,
+                               "outcomes": [asdict(o) for o in outcomes],
+                               "sweep": {"cases": len(swept_cases), "statuses": swept,
+                                         "failures": [asdict(f) for f in sweep_failures]}})
     missed = [o for o in outcomes if not o.found]
     unexplained = [f for o in outcomes for f in o.unexplained]
     unexplained += [f for f in sweep_failures if not f.known_bugs]
