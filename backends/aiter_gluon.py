@@ -48,7 +48,7 @@ from difftest.backends.pa_decode_gluon_emulator import (
     make_emulator,
 )
 
-from difftest import platform
+from difftest import gpus
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
@@ -72,7 +72,7 @@ def aiter_availability() -> Availability:
     if getattr(torch.version, "hip", None) is None:
         missing.append(f"a ROCm build of torch (torch {torch.__version__} has no "
                        "torch.version.hip)")
-    if platform.gpu_vendor() != "amd" or platform.visible_gpu_count() == 0:
+    if gpus.gpu_vendor() != "amd" or gpus.visible_gpu_count() == 0:
         missing.append("a visible AMD GPU (no GPU node under /sys/class/kfd, or a visibility "
                        "mask hides every GPU)")
     if importlib.util.find_spec("aiter") is None:

@@ -95,10 +95,10 @@ class UsageError(ValueError):
 
 def _device(choice: str) -> str:
     """``--device`` as given, refused when it is ``cuda`` and no GPU is visible."""
-    from difftest import devices, platform
+    from difftest import devices, gpus
 
     if choice == "cuda" and devices.visible_gpu_count() == 0:
-        where = ", ".join(f"{k}={v!r}" for k, v in platform.runner_mask().items())
+        where = ", ".join(f"{k}={v!r}" for k, v in gpus.runner_mask().items())
         raise UsageError(f"--device cuda, but no GPU is visible "
                          f"({devices.physical_gpu_count()} found by the drivers; "
                          f"{where or 'no visibility variable set'})")
@@ -364,8 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     from difftest.case import CaseError
     from difftest.casefile import CaseFileError
+    from difftest.gpus import VisibilityError
     from difftest.jsonfile import JSONFileError
-    from difftest.platform import VisibilityError
     from difftest.records import RecordError
     from difftest.registry import RegistryError
 

@@ -1,6 +1,6 @@
 """Which device a process computes on, decided without starting any GPU runtime.
 
-``--device auto`` computes on a GPU when :mod:`difftest.platform` (the one reader of the
+``--device auto`` computes on a GPU when :mod:`difftest.gpus` (the one reader of the
 drivers' files and the visibility variables) finds one visible to this process. On a machine
 without GPUs the CPU runtime is prepared for vLLM's Triton kernels: they run under
 ``TRITON_INTERPRET=1`` and need ``CUDA_VISIBLE_DEVICES=""`` set before vLLM is imported.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import warnings
 
-from difftest.platform import gpu_vendor, physical_gpu_count, visible_gpu_count
+from difftest.gpus import gpu_vendor, physical_gpu_count, visible_gpu_count
 
 __all__ = ["DEVICE_CHOICES", "gpu_vendor", "interpreted", "physical_gpu_count",
            "prepare_runtime", "resolve", "visible_gpu_count"]

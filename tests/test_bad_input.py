@@ -30,7 +30,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from difftest import cli, platform, registry
+from difftest import cli, gpus, registry
 from difftest.case import Case
 
 TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
@@ -371,14 +371,14 @@ def test_bad_plugins_name_the_plugin(workspace: Path, plugin: str, texts: list[s
 
 @pytest.fixture
 def two_fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Driver files of two NVIDIA and two AMD GPUs, as :mod:`difftest.platform` reads them."""
+    """Driver files of two NVIDIA and two AMD GPUs, as :mod:`difftest.gpus` reads them."""
     nvidia, kfd = tmp_path / "nvidia-gpus", tmp_path / "kfd-nodes"
     for i in range(2):
         (nvidia / f"0000:0{i}:00.0").mkdir(parents=True)
         (kfd / str(i + 1)).mkdir(parents=True)
         (kfd / str(i + 1) / "gpu_id").write_text(f"{1000 + i}\n")
-    monkeypatch.setattr(platform, "NVIDIA_GPUS_DIR", nvidia)
-    monkeypatch.setattr(platform, "KFD_NODES_DIR", kfd)
+    monkeypatch.setattr(gpus, "NVIDIA_GPUS_DIR", nvidia)
+    monkeypatch.setattr(gpus, "KFD_NODES_DIR", kfd)
 
 
 @pytest.mark.parametrize(("variable", "value", "entry"), [
@@ -389,7 +389,7 @@ def two_fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_garbage_gpu_mask_names_the_variable(workspace: Path, two_fake_gpus: None,
                                                monkeypatch: pytest.MonkeyPatch, variable: str,
                                                value: str, entry: str, command: str) -> None:
-    for var in platform.VISIBILITY_VARS:
+    for var in gpus.VISIBILITY_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(variable, value)
     extra = ["--no-corpus", "--examples", "1", "--artifacts", str(workspace / "art"),
@@ -402,7 +402,7 @@ def test_a_garbage_gpu_mask_names_the_variable(workspace: Path, two_fake_gpus: N
 def _pytest(directory: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     (directory / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith("PYTEST_") and k not in platform.VISIBILITY_VARS}
+            if not k.startswith("PYTEST_") and k not in gpus.VISIBILITY_VARS}
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            "-o", "difftest=true"], cwd=directory, env=base | env,
                           capture_output=True, text=True, timeout=120)
@@ -427,7 +427,7 @@ def test_pytest_refuses_a_garbage_gpu_mask(tmp_path: Path) -> None:
 @pytest.mark.parametrize("command", ["backends", "run", "repro"])
 def test_device_cuda_without_a_visible_gpu_is_refused(workspace: Path, command: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in platform.VISIBILITY_VARS:  # every GPU hidden: the same on every machine
+    for var in gpus.VISIBILITY_VARS:  # every GPU hidden: the same on every machine
         monkeypatch.setenv(var, "")
     extra = {"backends": [], "run": ["--no-corpus", "--examples", "1"],
              "repro": [str(workspace / "case.json")]}[command]

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from difftest import platform
+from difftest import gpus
+from difftest.gpus import visible_gpus
 from difftest.pinning import (
     FAKE_GPUS_ENV,
     PinningError,
@@ -19,7 +20,6 @@ from difftest.pinning import (
     detect,
     runner_mask,
 )
-from difftest.platform import visible_gpus
 
 HIP_AND_CUDA = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
@@ -134,7 +134,7 @@ def test_detect_reads_the_test_hook() -> None:
     assert detect({FAKE_GPUS_ENV: "amd:0"}) == (None, 0)
     with pytest.raises(PinningError, match="expected VENDOR:COUNT"):
         detect({FAKE_GPUS_ENV: "intel:2"})
-    assert detect({}) == (platform.gpu_vendor(), platform.physical_gpu_count())
+    assert detect({}) == (gpus.gpu_vendor(), gpus.physical_gpu_count())
 
 
 def test_runner_mask_and_describe() -> None:
@@ -193,7 +193,7 @@ def run_pytest(directory: Path, *args: str, env: dict[str, str]) -> subprocess.C
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(platform.physical_gpu_count() > 0,
+@pytest.mark.skipif(gpus.physical_gpu_count() > 0,
                     reason="fakes GPUs; on a GPU machine the real ones would be pinned")
 def test_pytest_n4_pins_each_worker_and_keeps_the_controller_gpu_free(tmp_path: Path) -> None:
     (tmp_path / "fast.py").write_text(PLUGIN)
@@ -225,7 +225,7 @@ def test_pytest_n4_pins_each_worker_and_keeps_the_controller_gpu_free(tmp_path: 
     assert "worker gw3 (pid" in done.stdout and "HIP_VISIBLE_DEVICES=1" in done.stdout
 
 
-@pytest.mark.skipif(platform.physical_gpu_count() == 0, reason="needs a real GPU")
+@pytest.mark.skipif(gpus.physical_gpu_count() == 0, reason="needs a real GPU")
 def test_pytest_n4_pins_each_worker_to_a_real_gpu(tmp_path: Path) -> None:
     """On a GPU machine (fewer GPUs than workers included): each worker computes on the GPU
     the controller assigned it, round-robin, and the controller never starts a runtime."""

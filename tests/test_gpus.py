@@ -1,6 +1,6 @@
 """One reading of GPU visibility: ``--device auto``, pinning and fingerprints agree on it.
 
-The hosts are faked by pointing :mod:`difftest.platform` at driver directories built under
+The hosts are faked by pointing :mod:`difftest.gpus` at driver directories built under
 ``tmp_path``, so the real counting code runs and the same tests hold on any machine.
 """
 
@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from difftest import devices, pinning, platform
+from difftest import devices, gpus, pinning
 from difftest.fingerprint import fingerprint
-from difftest.platform import CUDA, HIP, ROCR, VisibilityError
+from difftest.gpus import CUDA, HIP, ROCR, VisibilityError
 
 
 @pytest.fixture
 def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, int], None]:
     """Make a fake host: ``host("nvidia", 4)`` or ``host("amd", 2)``, no mask set."""
-    for var in (*platform.VISIBILITY_VARS, pinning.FAKE_GPUS_ENV):
+    for var in (*gpus.VISIBILITY_VARS, pinning.FAKE_GPUS_ENV):
         monkeypatch.delenv(var, raising=False)
     nvidia, kfd = tmp_path / "nvidia-gpus", tmp_path / "kfd-nodes"
-    monkeypatch.setattr(platform, "NVIDIA_GPUS_DIR", nvidia)
-    monkeypatch.setattr(platform, "KFD_NODES_DIR", kfd)
+    monkeypatch.setattr(gpus, "NVIDIA_GPUS_DIR", nvidia)
+    monkeypatch.setattr(gpus, "KFD_NODES_DIR", kfd)
 
     def make(vendor: str, count: int) -> None:
         if vendor == "nvidia":
@@ -46,9 +46,9 @@ def _pinned_plan(n_workers: int, device: str = "auto") -> list[dict[str, str]]:
 
 
 def test_driver_files_are_counted(host) -> None:
-    assert (platform.gpu_vendor(), platform.physical_gpu_count()) == (None, 0)
+    assert (gpus.gpu_vendor(), gpus.physical_gpu_count()) == (None, 0)
     host("amd", 2)
-    assert (platform.gpu_vendor(), platform.physical_gpu_count()) == ("amd", 2)
+    assert (gpus.gpu_vendor(), gpus.physical_gpu_count()) == ("amd", 2)
     assert pinning.detect() == ("amd", 2)
 
 
@@ -64,8 +64,8 @@ def test_cuda_mask_on_a_four_gpu_host(host, monkeypatch: pytest.MonkeyPatch, mas
                                       visible: tuple[str, ...]) -> None:
     host("nvidia", 4)
     monkeypatch.setenv(CUDA, mask)
-    assert platform.visible_in_this_process().entries == visible
-    assert platform.visible_gpu_count() == len(visible)
+    assert gpus.visible_in_this_process().entries == visible
+    assert gpus.visible_gpu_count() == len(visible)
     # --device auto and pinning read the same mask the same way.
     assert devices.resolve("auto") == ("cuda" if visible else "cpu")
     plan = _pinned_plan(2)
@@ -87,7 +87,7 @@ def test_minus_one_hides_every_gpu_from_auto_and_pinning_alike(host, monkeypatch
 def test_an_invalid_index_ends_the_list_and_pinning_refuses_it(host, monkeypatch) -> None:
     host("nvidia", 4)
     monkeypatch.setenv(CUDA, "0,7,1")
-    found = platform.visible_in_this_process()
+    found = gpus.visible_in_this_process()
     assert found.entries == ("0",)  # what the CUDA runtime would see
     assert found.inconsistency == ("CUDA_VISIBLE_DEVICES=0,7,1 names GPU 7, but only 4 GPU(s) "
                                    "exist below it (indices 0..3)")
@@ -95,7 +95,7 @@ def test_an_invalid_index_ends_the_list_and_pinning_refuses_it(host, monkeypatch
     with pytest.raises(pinning.PinningError, match="names GPU 7, but only 4"):
         _pinned_plan(2)
     monkeypatch.setenv(CUDA, "1,1,2")
-    assert platform.visible_in_this_process().entries == ("1",)
+    assert gpus.visible_in_this_process().entries == ("1",)
     with pytest.raises(pinning.PinningError, match="names GPU 1 twice"):
         _pinned_plan(2)
 
@@ -116,7 +116,7 @@ def test_nvidia_ignores_rocm_variables(host, monkeypatch) -> None:
     host("nvidia", 4)
     monkeypatch.setenv(HIP, "-1")
     monkeypatch.setenv(ROCR, "")
-    assert platform.visible_gpu_count() == 4
+    assert gpus.visible_gpu_count() == 4
     assert devices.resolve("auto") == "cuda"
 
 
@@ -124,7 +124,7 @@ def test_amd_masks_nest_and_auto_agrees_with_pinning(host, monkeypatch) -> None:
     host("amd", 4)
     monkeypatch.setenv(ROCR, "1,2,3")
     monkeypatch.setenv(HIP, "2,0")
-    assert platform.visible_in_this_process() == platform.VisibleGpus((HIP, CUDA), ("2", "0"))
+    assert gpus.visible_in_this_process() == gpus.VisibleGpus((HIP, CUDA), ("2", "0"))
     assert _pinned_plan(2) == [{HIP: "2", CUDA: "2"}, {HIP: "0", CUDA: "0"}]
     monkeypatch.setenv(HIP, "-1")
     assert devices.resolve("auto") == "cpu" and _pinned_plan(2) == [{}, {}]
@@ -133,7 +133,7 @@ def test_amd_masks_nest_and_auto_agrees_with_pinning(host, monkeypatch) -> None:
     assert devices.resolve("auto") == "cpu" and _pinned_plan(2) == [{}, {}]
     monkeypatch.setenv(ROCR, "")
     monkeypatch.setenv(CUDA, "0")
-    assert platform.visible_in_this_process().inconsistency == (
+    assert gpus.visible_in_this_process().inconsistency == (
         "CUDA_VISIBLE_DEVICES=0 names GPU 0, but no GPU is left visible below it")
 
 
@@ -141,7 +141,7 @@ def test_amd_differing_hip_and_cuda_masks(host, monkeypatch) -> None:
     host("amd", 2)
     monkeypatch.setenv(HIP, "0,1")
     monkeypatch.setenv(CUDA, "1")
-    found = platform.visible_in_this_process()
+    found = gpus.visible_in_this_process()
     assert found.entries == ("0", "1")  # HIP reads HIP_VISIBLE_DEVICES first
     assert found.inconsistency is not None and "differ" in found.inconsistency
     with pytest.raises(pinning.PinningError, match="HIP_VISIBLE_DEVICES=0,1 and "
@@ -151,5 +151,5 @@ def test_amd_differing_hip_and_cuda_masks(host, monkeypatch) -> None:
 
 def test_no_gpu_host_sees_nothing_whatever_the_mask(host, monkeypatch) -> None:
     monkeypatch.setenv(CUDA, "0,1")
-    assert platform.visible_in_this_process() == platform.VisibleGpus((), ())
+    assert gpus.visible_in_this_process() == gpus.VisibleGpus((), ())
     assert devices.resolve("auto") == "cpu" and _pinned_plan(2) == [{}, {}]
