@@ -29,7 +29,6 @@ import argparse
 import concurrent.futures
 import dataclasses
 import datetime
-import json
 import math
 import multiprocessing
 import os
@@ -51,6 +50,7 @@ from hypothesis import strategies as st
 from difftest import devices
 from difftest.case import Case
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
+from difftest.jsonfile import write_json
 from difftest.runner import FAILING, Status, run_case
 
 CATALOG = "mutants.catalog"
@@ -494,8 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = run_benchmark(device, limits, workers)
     print(format_report(data))
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(data, fh, indent=1)
+        write_json(args.json, data)
     ours = [Outcome(**o) for o in data["outcomes"] if o["generator"] == "ours"]
     bad = [o for o in ours if o.killed != o.harmful]
     return 1 if bad or data["false_positive_stretch"]["false_positives"] or data[

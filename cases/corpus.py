@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from difftest.case import Case
+from difftest.jsonfile import write_text
 
 CORPUS_DIR = Path(__file__).parent / "corpus"
 
@@ -23,5 +24,5 @@ def promote(case: Case, name: str, directory: Path | str = CORPUS_DIR) -> Path:
     named = case.replace(name=name)
     if path.exists() and Case.from_json(path.read_text()).case_id != named.case_id:
         raise FileExistsError(f"{path} already pins a different case")
-    path.write_text(named.to_json() + "\n")
+    write_text(path, named.to_json() + "\n")
     return path
