@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from difftest.artifacts import DEFAULT_ROOT, repro_command
 from difftest.devices import DEVICE_CHOICES
@@ -241,24 +240,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _version_changes(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
-    from difftest.fingerprint import comparable
-
-    before, after = comparable(baseline["fingerprint"]), comparable(candidate["fingerprint"])
-    lines = []
-    for key in sorted(before):
-        if key == "versions":
-            names = sorted((before[key] or {}).keys() | (after[key] or {}).keys())
-            lines += [f"  {n}: {(before[key] or {}).get(n)} -> {(after[key] or {}).get(n)}"
-                      for n in names if (before[key] or {}).get(n) != (after[key] or {}).get(n)]
-        elif before[key] != after[key]:
-            lines.append(f"  {key}: {before[key]} -> {after[key]}")
-    return lines
-
-
 def cmd_gate(args: argparse.Namespace) -> int:
     """Compare a candidate report with a baseline; exit 1 on any regression."""
-    from difftest.gate import format_result, gate
+    from difftest.gate import environment_changes, format_result, gate
     from difftest.report import ReportError, read_report
 
     try:
@@ -266,7 +250,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     except ReportError as exc:
         print(f"difftest gate: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    changes = _version_changes(baseline, candidate)
+    changes = environment_changes(baseline, candidate)
     print(f"baseline {args.baseline} vs candidate {args.candidate}")
     print("environment changes:" if changes else "environment: identical versions")
     for line in changes:

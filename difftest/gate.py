@@ -12,6 +12,10 @@ Every (case id, backend) of the baseline is judged against the candidate. The ga
   ratio is above ``ratio_floor`` (tiny ratios jitter without meaning anything);
 * a crash an earlier process of the candidate left behind (``earlier_crashes``).
 
+:func:`environment_changes` says what changed between the two runs: the fingerprint's
+versions (torch, vLLM, AITER, ...) and each backend's own versions, such as the vLLM release
+a ``triton-unified[vllm=0.30.0]`` or ``$DIFFTEST_VLLM`` run loaded its kernel from.
+
 Fixed cases and cases new in the candidate are listed but never fail the gate.
 """
 
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from difftest.artifacts import repro_command
+from difftest.fingerprint import comparable
 from difftest.records import FAILING, NOT_RUN, ResultRecord, Status
 from difftest.report import case_records
 
@@ -123,6 +128,28 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
             rows.append(GateRow(case.case_id, case.name, "*", None, None, "present",
                                 None, "new case in candidate", False))
     return GateResult(tuple(rows), tuple(findings), len(base_cases))
+
+
+def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    return [f"{n}: {before.get(n)} -> {after.get(n)}"
+            for n in sorted(before.keys() | after.keys()) if before.get(n) != after.get(n)]
+
+
+def environment_changes(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    """One line per changed fingerprint field or version, then per changed backend version
+    (``backend triton-unified: vllm: 0.30.0 -> 0.31.0``)."""
+    before, after = comparable(baseline["fingerprint"]), comparable(candidate["fingerprint"])
+    lines = []
+    for key in sorted(before.keys() | after.keys()):
+        if key == "versions":
+            lines += [f"  {line}" for line in _changed(before[key] or {}, after.get(key) or {})]
+        elif before.get(key) != after.get(key):
+            lines.append(f"  {key}: {before.get(key)} -> {after.get(key)}")
+    for name in sorted(baseline["backends"].keys() & candidate["backends"].keys()):
+        ours = baseline["backends"][name].get("versions") or {}
+        theirs = candidate["backends"][name].get("versions") or {}
+        lines += [f"  backend {name}: {line}" for line in _changed(ours, theirs)]
+    return lines
 
 
 def _fmt_ratio(ratio: float | None) -> str:

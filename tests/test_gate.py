@@ -186,3 +186,17 @@ def test_a_crash_left_by_an_earlier_candidate_process_fails(tmp_path, capsys, ba
         f"difftest repro {artifact} --plugin tests/fake_backends.py --plugin mutants.catalog")
     assert (f"FAIL case {case.case_id} crashed a process before the candidate's run (replay "
             f"with {repro_command(artifact, plugins)})") in out
+
+
+def test_a_vllm_release_change_is_named_with_its_regressions(tmp_path, capsys, baseline) -> None:
+    """Two runs of the same cases under two vLLM releases (``$DIFFTEST_VLLM``): the gate
+    names the release each backend loaded and the case that regressed."""
+    candidate = copy.deepcopy(baseline)
+    before = baseline["backends"][BACKEND]["versions"]["vllm"]
+    candidate["backends"][BACKEND]["versions"]["vllm"] = "0.30.0"
+    _result(candidate, 1)["status"] = "disagree"
+    code, out = _gate(tmp_path, capsys, baseline, candidate)
+    assert code == 1
+    assert f"  backend {BACKEND}: vllm: {before} -> 0.30.0" in out
+    assert "environment: identical versions" not in out
+    assert "FAIL new disagree" in out
