@@ -387,6 +387,9 @@ def audit_lines(items: Iterable[Case | Mapping[str, Any] | Any],
         if not rows:
             lines.append(f"  {name}: no kernel signature known to the audit")
             continue
+        if rows[0].cases == 0:
+            lines.append(f"  {name} -> {rows[0].kernel}: ran no case, not audited")
+            continue
         lines.append(f"  {name} -> {rows[0].kernel} ({rows[0].cases} cases ran)")
         width = max(len(c.argument.name) for c in rows)
         for c in rows:

@@ -156,6 +156,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
+    from difftest.audit import audit_lines
+    from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.generate import generated_cases
     from difftest.replay import report_previous_crashes
@@ -171,8 +173,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     session = Session.create(args.backends, args.plugin, _device(args.device),
                              args.artifacts, args.reference)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
-    case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(args.examples,
-                                                                          args.seed)
+    capabilities = Capabilities.probe(session.backends, session.device)
+    case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(
+        args.examples, args.seed, capabilities.strategy())
     if shard is not None:
         case_set = shard.select(case_set)
     progress = Progress(len(case_set))
@@ -191,6 +194,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = build_report(session.records, session.backend_entries(), config,
                           session.environment, earlier_crashes=earlier)
     print(summary(report))
+    for line in capabilities.lines():
+        print(f"generation: {line}")
+    print("\n".join(audit_lines(report["cases"], session.backends, session.device)))
     if args.report:
         write_report(args.report, report)
         print(f"report: {args.report}")

@@ -159,3 +159,20 @@ def test_repro_replays_a_recorded_backend_configured_by_its_name(tmp_path: Path,
     assert f"  {backend} error" in out
     assert "no output either time" in out
     assert "key/value caches must have the same number of blocks" in out
+
+
+def test_run_draws_what_its_backends_run_and_prints_the_parameter_audit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], device_name: str) -> None:
+    """Generation leaves out float32 queries for the AITER emulator (and says so), and the
+    run lists pa_decode_gluon's arguments with the values they took."""
+    code = cli.main(["run", "--no-corpus", "--examples", "3", "--backends",
+                     "aiter-gluon@emulated", "--device", device_name,
+                     "--artifacts", str(tmp_path / "artifacts"),
+                     "--report", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["status"] for c in report["cases"] for r in c["results"]] == ["agree"] * 3
+    assert "generation: not drawn for aiter-gluon@emulated: query float32" in out
+    assert "parameter coverage over 3 cases" in out
+    assert "aiter-gluon@emulated -> pa_decode_gluon (3 cases ran)" in out
