@@ -67,15 +67,23 @@ class Capabilities:
         no combination suits every backend, the ones the most backends run are drawn.
         """
         usable, skipped = [], []
+        every = dtype_combos(layouts, query_dtypes, kv_dtypes)
+        refused = []
         for backend in backends:
             availability = backend.availability()
-            if availability.available:
-                usable.append(backend)
-            else:
-                skipped.append((backend.name, availability.reason))
-        every = dtype_combos(layouts, query_dtypes, kv_dtypes)
-        refused = [(b.name, combo, reason) for combo in every for b in usable
-                   if (reason := b.unsupported_reason(probe_case(combo), device)) is not None]
+            if not availability.available:
+                skipped.append((backend.name, f"unavailable: {availability.reason}"))
+                continue
+            try:
+                answers = [(combo, backend.unsupported_reason(probe_case(combo), device))
+                           for combo in every]
+            except Exception as exc:  # a broken plug-in must not stop the run
+                skipped.append((backend.name, f"its support check raised {exc!r}; generation "
+                                "ignores it, the run reports it per case"))
+                continue
+            usable.append(backend)
+            refused += [(backend.name, combo, reason) for combo, reason in answers
+                        if reason is not None]
         refusals = Counter(combo for _, combo, _ in refused)
         fewest = min(refusals[c] for c in every)
         combos = tuple(c for c in every if refusals[c] == fewest)
@@ -106,7 +114,7 @@ class Capabilities:
 
     def lines(self) -> list[str]:
         """What generation did not draw, for which backend and why (empty: nothing)."""
-        out = [f"not drawn for {name} (unavailable): {reason}" for name, reason in self.skipped]
+        out = [f"not drawn for {name}: {reason}" for name, reason in self.skipped]
         by_reason: dict[tuple[str, str], list[DtypeCombo]] = {}
         for name, combo, reason in self.refused:
             if combo not in self.combos:

@@ -160,7 +160,7 @@ def test_without_a_common_combination_the_most_supported_ones_are_drawn() -> Non
              query_dtype=q, kv_dtype=kv, kv_layout=lay))) == 1 for lay, q, kv in
         capabilities.combos)
     lines = capabilities.lines()
-    assert "not drawn for gone (unavailable): no such hardware" in lines
+    assert "not drawn for gone: unavailable: no such hardware" in lines
     assert any(line.startswith("no dtype combination suits every backend") for line in lines)
 
 
