@@ -40,10 +40,13 @@ import hypothesis
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.strategies import SearchStrategy
 
 from difftest import devices, pinning
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, promote_command, repro_command
+from difftest.audit import audit_lines
 from difftest.case import Case
+from difftest.cases.capabilities import Capabilities
 from difftest.fingerprint import fingerprint
 from difftest.jsonfile import dumps, loads
 from difftest.records import CaseRecord
@@ -268,6 +271,7 @@ class DifftestRun:
         self.report: dict[str, Any] | None = None
         self.earlier_crashes: list[CaseRecord] = []
         self._session: Session | None = None
+        self._capabilities: Capabilities | None = None
         self._item: pytest.Item | None = None
         self._item_results: list[CaseResult] = []
         self._artifacts_in_use: set[str] = set()  # failure directories earlier tests reported
@@ -305,6 +309,13 @@ class DifftestRun:
                            backends=self._session.backend_entries(),
                            config=self._session.config())
         return self._session
+
+    def case_strategy(self) -> SearchStrategy[Case]:
+        """Generated cases that every configured backend runs (probed once per process)."""
+        if self._capabilities is None:
+            session = self.session()
+            self._capabilities = Capabilities.probe(session.backends, session.device)
+        return self._capabilities.strategy()
 
     def check(self, case: Case) -> CaseResult:
         """Run ``case`` (if in this shard), log it, and fail the test if any backend failed."""
@@ -433,6 +444,10 @@ class DifftestRun:
                                         f"{pinning.describe(entry['gpu_env'])}, "
                                         f"{entry['cases']} cases")
         terminalreporter.write_line(summary(self.report))
+        tested = [name for name in self.report["backends"]
+                  if name != self.report["config"].get("reference")]
+        for line in audit_lines(self.report["cases"], tested):
+            terminalreporter.write_line(line)
         path = self.config.getoption("--difftest-report")
         if path:
             terminalreporter.write_line(f"difftest report: {path}")

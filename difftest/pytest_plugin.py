@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from hypothesis.strategies import SearchStrategy
+
     from difftest._pytest_run import DifftestRun
     from difftest.case import Case
     from difftest.runner import CaseResult
@@ -82,6 +84,12 @@ def _active(config: pytest.Config) -> DifftestRun:
 def difftest_session(pytestconfig: pytest.Config) -> Session:
     """The configured :class:`~difftest.session.Session` of this process."""
     return _active(pytestconfig).session()
+
+
+@pytest.fixture(scope="session")
+def difftest_case_strategy(pytestconfig: pytest.Config) -> SearchStrategy[Case]:
+    """Generated cases every configured backend runs (draw it with ``st.data()``)."""
+    return _active(pytestconfig).case_strategy()
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
 from hypothesis import given, target
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
 
 from difftest.case import Case
 
@@ -18,9 +19,11 @@ def test_pinned_corpus(case: Case, check_case) -> None:
     assert result.results, "no backend under test was configured"
 
 
-@given(case=cases())
-def test_generated_cases(case: Case, check_case) -> None:
-    result = check_case(case)
+@given(data=st.data())
+def test_generated_cases(data: st.DataObject, difftest_case_strategy: SearchStrategy[Case],
+                         check_case) -> None:
+    """Cases drawn for what every configured backend runs, so each tests every backend."""
+    result = check_case(data.draw(difftest_case_strategy, label="case"))
     for r in result.results:
         if r.comparison is not None:
             target(r.comparison.max_ratio, label=f"error/tolerance {r.backend}")
