@@ -18,7 +18,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 import torch
 
@@ -121,6 +121,22 @@ class ConfigurableBackend(Backend, Protocol):
     def with_options(self, options: Mapping[str, str]) -> Backend:
         """A copy configured by ``options``; raises ``ValueError`` naming a bad one."""
         ...
+
+
+def serves_as_reference(backend: Backend) -> TypeGuard[ReferenceBackend]:
+    """Whether ``backend`` has ``reference()``, looked up dynamically.
+
+    Not ``isinstance(backend, ReferenceBackend)``: from Python 3.12 a runtime-checkable
+    protocol reads attributes statically (``inspect.getattr_static``), so the registry's and
+    the session's wrappers, which delegate through ``__getattr__``, would never match.
+    """
+    return callable(getattr(backend, "reference", None))
+
+
+def takes_options(backend: Backend) -> TypeGuard[ConfigurableBackend]:
+    """Whether ``backend`` has ``with_options()``, looked up dynamically (see
+    :func:`serves_as_reference`)."""
+    return callable(getattr(backend, "with_options", None))
 
 
 @dataclass

@@ -31,10 +31,10 @@ import torch
 from difftest.backend import (
     Availability,
     Backend,
-    ConfigurableBackend,
     EmptyRowOutput,
     Precision,
     RunInputs,
+    takes_options,
 )
 from difftest.case import Case
 
@@ -304,7 +304,7 @@ def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]
             known = ", ".join(sorted(available))
             raise RegistryError(f"unknown backend {name!r}; known backends: {known}")
         backend = available[base]
-        if not options or not isinstance(backend, ConfigurableBackend):
+        if not options or not takes_options(backend):
             raise RegistryError(f"backend {base!r} takes no options (got {name!r})")
         try:
             chosen.append(guard(backend.with_options(options)))

@@ -16,7 +16,7 @@ import torch
 
 from difftest import devices, registry
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
-from difftest.backend import Backend, ReferenceBackend, RunInputs
+from difftest.backend import Backend, ReferenceBackend, RunInputs, serves_as_reference
 from difftest.case import Case
 from difftest.fingerprint import fingerprint
 from difftest.records import CaseRecord
@@ -93,7 +93,7 @@ class Session:
         devices.prepare_runtime(resolved)
         known = registry.discover(plugins)
         ref = registry.select(known, [reference])[0]
-        if not isinstance(ref, ReferenceBackend):
+        if not serves_as_reference(ref):
             raise registry.RegistryError(f"{reference!r} cannot serve as the reference "
                                          "(it has no reference() method)")
         names = list(backend_names) if backend_names is not None else [

@@ -8,8 +8,14 @@ import pytest
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
 
-from difftest.backend import Backend, ConfigurableBackend, ReferenceBackend
-from difftest.registry import RegistryError, load_plugin
+from difftest.backend import (
+    Backend,
+    ConfigurableBackend,
+    ReferenceBackend,
+    serves_as_reference,
+    takes_options,
+)
+from difftest.registry import RegistryError, guard, load_plugin
 from difftest.session import Session
 
 PLAIN_PLUGIN = '''
@@ -71,3 +77,12 @@ def test_a_backend_without_reference_cannot_be_the_reference(tmp_path: Path,
                                             r"\(it has no reference\(\) method\)"):
         Session.create([], plugins=[plain_plugin], device="cpu", artifacts=str(tmp_path),
                        reference="plain")
+
+
+def test_capabilities_are_seen_through_the_wrappers() -> None:
+    """The registry's guard delegates through ``__getattr__``; Python 3.12's protocol
+    ``isinstance`` reads attributes statically and would miss them, the helpers do not."""
+    reference, configurable = guard(TorchReference()), guard(AiterGluon(True))
+    assert serves_as_reference(reference) and not takes_options(reference)
+    assert takes_options(configurable) and not serves_as_reference(configurable)
+    assert Session.create([], device="cpu").reference.name == "torch-ref"
