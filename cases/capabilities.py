@@ -1,19 +1,28 @@
-"""Capability-aware generation: draw only cases that every chosen backend runs.
+"""Capability-aware generation: every drawn example runs on every chosen backend.
 
 A backend declares what it runs through ``unsupported_reason(case, device)``. Probing it on a
 one-block case of every ``(kv_layout, query_dtype, kv_dtype)`` tells which dtype combinations
-it refuses outright (bf16 queries under Triton's interpreter, fp32 queries on AITER); the
-strategy then draws only the combinations all chosen backends run. A refusal that depends on
-more than the dtypes (irregular selections on ``vllm-triton-sparse``) is met while drawing: the
-case is drawn again, up to a few times. The kernel modes (softcap, sliding window) are drawn only
-if every backend runs them. :meth:`Capabilities.lines` says what was not drawn, for
-which backend and why, so a report still shows the part of the case space a run left out.
+it refuses outright (bf16 queries under Triton's interpreter, fp32 queries on AITER). The
+strategy draws from every combination *some* chosen backend runs, with the kernel modes
+(softcap, sliding window, ...) if some backend runs them, so no argument a backend accepts is
+held fixed because another backend refuses it.
+
+Each drawn example is then **fitted** per backend (:meth:`Capabilities.fit`): a backend that
+refuses the drawn case runs the nearest variant it accepts, the same structure, seed and data
+with the fewest fields changed (another query dtype, another KV dtype, a kernel mode off), so
+the boundary the example carries (the last block, a page id past 2**16, a 1-token tail) is
+tested by every backend. A variant is a case of its own (its own id, on disk before it runs;
+its ``name`` says what it was fitted from). A refusal no variant avoids (a non-canonical
+selection some backend refuses) is met while drawing: the example is drawn again, up to a
+few times, and kept anyway at the end (the backend then reports it ``unsupported``).
+:meth:`Capabilities.lines` says what was fitted or not drawn, for which backend and why.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +31,11 @@ from difftest.cases.strategies import DtypeCombo, cases, dtype_combos
 from hypothesis import strategies as st
 
 from difftest.backend import Backend
-from difftest.case import KV_LAYOUTS, Case
-from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
+from difftest.case import KV_LAYOUTS, MODE_DEFAULTS, Case, CaseError
+from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
-REDRAWS = 4  # draws of a case some backend refuses before it is kept anyway
-MODE_PROBE_SOFTCAP = 30.0
-MODE_PROBE_WINDOW = 1
+REDRAWS = 4  # draws of an example some backend cannot run in any variant, before it is kept
+MODE_PROBE = {"softcap": 30.0, "sliding_window": 1}  # a case with the kernel modes on
 
 
 def probe_case(combo: DtypeCombo) -> Case:
@@ -37,15 +45,63 @@ def probe_case(combo: DtypeCombo) -> Case:
                 query_dtype=query_dtype, kv_dtype=kv_dtype, kv_layout=layout)
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """One run of an example: ``case`` (the drawn one, or a variant of it) on ``backends``.
+
+    ``changes`` says how the case differs from the drawn one (empty for the drawn case), e.g.
+    ``("query_dtype bfloat16 -> float16",)``.
+    """
+
+    case: Case
+    backends: tuple[str, ...]
+    changes: tuple[str, ...] = ()
+
+
+def _with(case: Case, **changes: Any) -> Case | None:
+    """``case`` with ``changes``, or ``None`` if that is no valid case."""
+    if "kv_dtype" in changes and changes["kv_dtype"] not in FP8_DTYPES:
+        changes |= {"k_scale": 1.0, "v_scale": 1.0}  # scales belong to fp8 KV only
+    try:
+        return case.replace(**changes)
+    except (CaseError, ValueError):
+        return None
+
+
+def variants(case: Case) -> Iterator[tuple[Case, tuple[str, ...]]]:
+    """Cases near ``case``, fewest changed fields first: the query dtype, the KV dtype, and
+    the kernel modes (each on one off, then all off), each in the project's declared order."""
+    on = [m for m, off in MODE_DEFAULTS.items() if getattr(case, m) != off]
+    mode_choices: list[tuple[dict[str, Any], tuple[str, ...]]] = [({}, ())]
+    mode_choices += [({m: MODE_DEFAULTS[m]}, (f"{m} off",)) for m in on]
+    if len(on) > 1:
+        mode_choices.append(({m: MODE_DEFAULTS[m] for m in on}, ("kernel modes off",)))
+    axes = [
+        [({}, ())] + [({"query_dtype": q}, (f"query_dtype {case.query_dtype} -> {q}",))
+                      for q in QUERY_DTYPES if q != case.query_dtype],
+        [({}, ())] + [({"kv_dtype": kv}, (f"kv_dtype {case.kv_dtype} -> {kv}",))
+                      for kv in KV_DTYPES if kv != case.kv_dtype],
+        mode_choices,
+    ]
+    choices = sorted(itertools.product(*axes),
+                     key=lambda combo: sum(bool(part[0]) for part in combo))
+    for combo in choices[1:]:  # the first is the case itself
+        variant = _with(case, **{k: v for part in combo for k, v in part[0].items()})
+        if variant is not None:
+            yield variant, tuple(c for part in combo for c in part[1])
+
+
 @dataclass
 class Capabilities:
-    """What the chosen backends run on a device, and what generation left out because of it.
+    """What the chosen backends run on a device, and how generation fitted examples to them.
 
-    ``combos``: the dtype combinations drawn; ``refused``: ``(backend, combo, reason)`` for
-    every combination a backend refuses; ``modes_refused``: ``(backend, reason)`` for every
-    backend that refuses the kernel modes (softcap, sliding window), which are then not
-    drawn; ``redrawn``: how often a drawn case was refused, by backend and reason (it grows
-    as cases are drawn).
+    ``combos``: the dtype combinations drawn (those some backend runs); ``refused``:
+    ``(backend, combo, reason)`` for every combination a backend refuses; ``skipped``:
+    ``(backend, reason)`` for backends left out (unavailable, a broken support check);
+    ``modes_refused``: ``(backend, reason)`` for backends that refuse the kernel modes;
+    ``fitted``: how often a backend ran a variant, by backend, changes and the reason it gave
+    for the drawn case; ``unfit``: how often a backend could run no variant, by reason;
+    ``examples``: how many examples were fitted.
     """
 
     device: torch.device
@@ -54,7 +110,11 @@ class Capabilities:
     refused: tuple[tuple[str, DtypeCombo, str], ...]
     skipped: tuple[tuple[str, str], ...] = ()
     modes_refused: tuple[tuple[str, str], ...] = ()
+    fitted: Counter[tuple[str, tuple[str, ...], str]] = field(default_factory=Counter)
+    unfit: Counter[tuple[str, str]] = field(default_factory=Counter)
     redrawn: Counter[tuple[str, str]] = field(default_factory=Counter)
+    examples: int = 0
+    examples_unfit: int = 0
 
     @classmethod
     def probe(cls, backends: Iterable[Backend], device: torch.device,
@@ -63,12 +123,12 @@ class Capabilities:
               kv_dtypes: Sequence[str] = KV_DTYPES) -> Capabilities:
         """Ask every available backend about every dtype combination of the given axes.
 
-        Unavailable backends are left out (they run no case here; ``skipped`` says why). If
-        no combination suits every backend, the ones the most backends run are drawn.
+        Unavailable backends are left out (they run no case here; ``skipped`` says why).
         """
         usable, skipped = [], []
         every = dtype_combos(layouts, query_dtypes, kv_dtypes)
         refused = []
+        modes_refused = []
         for backend in backends:
             availability = backend.availability()
             if not availability.available:
@@ -77,6 +137,9 @@ class Capabilities:
             try:
                 answers = [(combo, backend.unsupported_reason(probe_case(combo), device))
                            for combo in every]
+                runs = [combo for combo, reason in answers if reason is None]
+                mode_reason = (backend.unsupported_reason(
+                    probe_case(runs[0]).replace(**MODE_PROBE), device) if runs else None)
             except Exception as exc:  # a broken plug-in must not stop the run
                 skipped.append((backend.name, f"its support check raised {exc!r}; generation "
                                 "ignores it, the run reports it per case"))
@@ -84,36 +147,78 @@ class Capabilities:
             usable.append(backend)
             refused += [(backend.name, combo, reason) for combo, reason in answers
                         if reason is not None]
+            if mode_reason is not None:
+                modes_refused.append((backend.name, mode_reason))
         refusals = Counter(combo for _, combo, _ in refused)
-        fewest = min(refusals[c] for c in every)
-        combos = tuple(c for c in every if refusals[c] == fewest)
-        with_modes = probe_case(combos[0]).replace(softcap=MODE_PROBE_SOFTCAP,
-                                                   sliding_window=MODE_PROBE_WINDOW)
-        modes_refused = [(b.name, reason) for b in usable
-                         if (reason := b.unsupported_reason(with_modes, device)) is not None
-                         and b.unsupported_reason(probe_case(combos[0]), device) is None]
+        combos = tuple(c for c in every if refusals[c] < len(usable)) or every
         return cls(device, tuple(usable), combos, tuple(refused), tuple(skipped),
                    tuple(modes_refused))
 
+    @property
+    def draws_modes(self) -> bool:
+        """Whether some backend runs the kernel modes (so the strategy draws them)."""
+        return len(self.modes_refused) < len(self.backends)
+
     def unsupported_by(self, case: Case) -> list[tuple[str, str]]:
-        """``(backend, reason)`` for every chosen backend that refuses ``case``."""
+        """``(backend, reason)`` for every chosen backend that refuses ``case`` itself."""
         return [(b.name, reason) for b in self.backends
                 if (reason := b.unsupported_reason(case, self.device)) is not None]
 
+    def _fit_one(self, backend: Backend, case: Case
+                 ) -> tuple[Case, tuple[str, ...]] | None:
+        """The drawn case or the nearest variant ``backend`` runs; ``None``: none."""
+        if backend.unsupported_reason(case, self.device) is None:
+            return case, ()
+        for variant, changes in variants(case):
+            if backend.unsupported_reason(variant, self.device) is None:
+                return variant, changes
+        return None
+
     def accept(self, case: Case) -> bool:
-        """Whether every backend runs ``case``; counts the refusals of one that it does not."""
-        refusals = self.unsupported_by(case)
-        self.redrawn.update(refusals)
-        return not refusals
+        """Whether every backend runs ``case`` or a variant of it; counts the refusals of the
+        ones that run neither (the example is then drawn again)."""
+        missing = [b for b in self.backends if self._fit_one(b, case) is None]
+        self.redrawn.update((b.name, str(b.unsupported_reason(case, self.device)))
+                            for b in missing)
+        return not missing
+
+    def fit(self, case: Case) -> list[Fitted]:
+        """The runs of one drawn example: the drawn case on the backends that run it, and each
+        variant on the backends that run it instead (a backend that runs no variant is listed
+        with the drawn case, where it reports ``unsupported``); a run no backend is left for
+        is dropped. Counted for :meth:`lines`."""
+        groups: dict[str, tuple[Case, tuple[str, ...], list[str]]] = {
+            case.case_id: (case, (), [])}
+        self.examples += 1
+        unfit = False
+        for backend in self.backends:
+            found = self._fit_one(backend, case)
+            if found is None:
+                unfit = True
+                self.unfit[(backend.name, str(backend.unsupported_reason(case, self.device)))] += 1
+                found = (case, ())
+            elif found[1]:
+                reason = str(backend.unsupported_reason(case, self.device))
+                self.fitted[(backend.name, found[1], reason)] += 1
+            variant, changes = found
+            groups.setdefault(variant.case_id, (variant, changes, []))[2].append(backend.name)
+        self.examples_unfit += unfit
+        out = []
+        for variant, changes, names in groups.values():
+            if changes:
+                variant = variant.replace(name=f"{case.case_id} fitted: {', '.join(changes)}")
+            if names:
+                out.append(Fitted(variant, tuple(names), changes))
+        return out
 
     def strategy(self, **options: Any) -> st.SearchStrategy[Case]:
-        """:func:`~difftest.cases.strategies.cases` drawing only what every backend runs;
-        ``options`` go to it (``max_batch``, ``selection_modes``, ...)."""
+        """:func:`~difftest.cases.strategies.cases` over what some backend runs, redrawing
+        examples some backend runs in no variant; ``options`` go to it (``max_batch``, ...)."""
         return cases(combos=self.combos, accept=self.accept, redraws=REDRAWS,
-                     kernel_modes=not self.modes_refused, **options)
+                     kernel_modes=self.draws_modes, **options)
 
     def lines(self) -> list[str]:
-        """What generation did not draw, for which backend and why (empty: nothing)."""
+        """What generation fitted or left out, for which backend and why (empty: nothing)."""
         out = [f"not drawn for {name}: {reason}" for name, reason in self.skipped]
         by_reason: dict[tuple[str, str], list[DtypeCombo]] = {}
         for name, combo, reason in self.refused:
@@ -121,14 +226,21 @@ class Capabilities:
                 by_reason.setdefault((name, reason), []).append(combo)
         for (name, reason), combos in by_reason.items():
             out.append(f"not drawn for {name}: {describe_combos(combos)}: {reason}")
-        out += [f"not drawn for {name}: kernel modes (softcap, sliding window): {reason}"
-                for name, reason in self.modes_refused]
-        kept = {c for _, c, _ in self.refused if c in self.combos}
-        if kept:
-            out.append(f"no dtype combination suits every backend; drawn: "
-                       f"{describe_combos(sorted(kept))} (some backend refuses each)")
+        if not self.draws_modes:
+            out += [f"not drawn for {name}: kernel modes ({', '.join(MODE_PROBE)}): {reason}"
+                    for name, reason in self.modes_refused]
+        for (name, changes, reason), count in sorted(self.fitted.items()):
+            out.append(f"fitted for {name}: {count} of {self.examples} example(s) ran with "
+                       f"{', '.join(changes)}: {reason}")
+        for (name, reason), count in sorted(self.unfit.items()):
+            out.append(f"could not fit for {name}: {count} example(s) reported unsupported: "
+                       f"{reason}")
         for (name, reason), count in sorted(self.redrawn.items()):
-            out.append(f"redrawn {count} case(s) {name} refuses: {reason}")
+            out.append(f"redrawn {count} example(s) {name} runs in no variant: {reason}")
+        if self.examples:
+            share = self.examples_unfit / self.examples
+            out.append(f"examples some backend could not run: {self.examples_unfit} of "
+                       f"{self.examples} ({share:.1%})")
         return out
 
 
@@ -146,5 +258,6 @@ def describe_combos(combos: Sequence[DtypeCombo]) -> str:
 
 def cases_for(backends: Iterable[Backend], device: torch.device,
               **options: Any) -> st.SearchStrategy[Case]:
-    """Cases every one of ``backends`` runs on ``device`` (see :class:`Capabilities`)."""
+    """Examples some of ``backends`` runs on ``device``, each fittable to all of them (see
+    :class:`Capabilities`; run each through :meth:`Capabilities.fit`)."""
     return Capabilities.probe(backends, device).strategy(**options)

@@ -272,6 +272,7 @@ class DifftestRun:
         self.earlier_crashes: list[CaseRecord] = []
         self._session: Session | None = None
         self._capabilities: Capabilities | None = None
+        self.generation: list[tuple[str, str]] = []  # (writer, line) of every process
         self._item: pytest.Item | None = None
         self._item_results: list[CaseResult] = []
         self._artifacts_in_use: set[str] = set()  # failure directories earlier tests reported
@@ -310,23 +311,46 @@ class DifftestRun:
                            config=self._session.config())
         return self._session
 
-    def case_strategy(self) -> SearchStrategy[Case]:
-        """Generated cases that every configured backend runs (probed once per process)."""
+    def capabilities(self) -> Capabilities:
+        """What the configured backends run (probed once per process)."""
         if self._capabilities is None:
             session = self.session()
             self._capabilities = Capabilities.probe(session.backends, session.device)
-        return self._capabilities.strategy()
+        return self._capabilities
+
+    def case_strategy(self) -> SearchStrategy[Case]:
+        """Generated examples that every configured backend runs, each in the variant fitted
+        to it (:meth:`check_example`)."""
+        return self.capabilities().strategy()
+
+    def _outside_shard(self, cases: list[Case]) -> None:
+        """Reject the example (or skip the test) when none of ``cases`` is in this shard."""
+        if self.shard is None or any(self.shard.contains(c) for c in cases):
+            return
+        if hypothesis.currently_in_test_context():
+            hypothesis.reject()
+        where = ", ".join(f"{c.case_id} in shard {shard_of(c.case_id, self.shard.count) + 1}"
+                          f"/{self.shard.count}" for c in cases)
+        pytest.skip(f"case {where}, not {self.shard}")
 
     def check(self, case: Case) -> CaseResult:
         """Run ``case`` (if in this shard), log it, and fail the test if any backend failed."""
-        if self.shard is not None and not self.shard.contains(case):
-            if hypothesis.currently_in_test_context():
-                hypothesis.reject()
-            pytest.skip(f"case {case.case_id} is in shard "
-                        f"{shard_of(case.case_id, self.shard.count) + 1}/{self.shard.count}, "
-                        f"not {self.shard}")
+        self._outside_shard([case])
+        return self._run(case, None)
+
+    def check_example(self, case: Case) -> list[CaseResult]:
+        """Run a generated example: every backend runs the drawn case or the variant fitted
+        to it (:meth:`difftest.cases.capabilities.Capabilities.fit`), the runs in this shard
+        only; fail the test on the first run where a backend failed."""
+        runs = self.capabilities().fit(case)
+        self._outside_shard([f.case for f in runs])
+        return [self._run(f.case, f.backends) for f in runs
+                if self.shard is None or self.shard.contains(f.case)]
+
+    def _run(self, case: Case, backends: tuple[str, ...] | None) -> CaseResult:
+        """Run ``case`` on ``backends`` (all when ``None``), log it, fail on a failure."""
         session = self.session()
-        result = session.run(case)
+        result = session.run(case, backends)
         nodeid = self._item.nodeid if self._item is not None else None
         self.log.write("case", record=session.records[-1].in_pytest(self.writer, nodeid).to_dict())
         if self._item is not None:
@@ -415,10 +439,15 @@ class DifftestRun:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """Join the run logs into the report (controller or single process)."""
+        """Log what generation fitted or left out; join the run logs into the report
+        (controller or single process)."""
+        if self._capabilities is not None and self._capabilities.examples:
+            self.log.write("generation", lines=self._capabilities.lines())
         if self.role == "worker":
             return
         lines = RunLog.read(self.run_dir)
+        self.generation = [(line["writer"], text) for line in lines
+                           if line["kind"] == "generation" for text in line["lines"]]
         shutil.rmtree(self.run_dir, ignore_errors=True)
         path = self.config.getoption("--difftest-report")
         if self.earlier_crashes and session.exitstatus == pytest.ExitCode.OK:
@@ -446,6 +475,8 @@ class DifftestRun:
         terminalreporter.write_line(summary(self.report))
         tested = [name for name in self.report["backends"]
                   if name != self.report["config"].get("reference")]
+        for writer, line in self.generation:
+            terminalreporter.write_line(f"generation ({writer}): {line}")
         for line in audit_lines(self.report["cases"], tested):
             terminalreporter.write_line(line)
         path = self.config.getoption("--difftest-report")

@@ -16,11 +16,15 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from difftest.artifacts import DEFAULT_ROOT, repro_command
 from difftest.devices import DEVICE_CHOICES
 from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
 from difftest.registry import RegistryError, split_names
+
+if TYPE_CHECKING:
+    from difftest.case import Case
 
 EXIT_UNREADABLE = 2
 
@@ -174,13 +178,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                              args.artifacts, args.reference)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
     capabilities = Capabilities.probe(session.backends, session.device)
-    case_set = ([] if args.no_corpus else load_corpus()) + generated_cases(
+    runs: list[tuple[Case, tuple[str, ...] | None]] = [
+        (case, None) for case in ([] if args.no_corpus else load_corpus())]
+    runs += [(fitted.case, fitted.backends) for example in generated_cases(
         args.examples, args.seed, capabilities.strategy())
+        for fitted in capabilities.fit(example)]
     if shard is not None:
-        case_set = shard.select(case_set)
-    progress = Progress(len(case_set))
-    for case in case_set:
-        result = session.run(case)
+        runs = [(case, names) for case, names in runs if shard.contains(case)]
+    progress = Progress(len(runs))
+    for case, names in runs:
+        result = session.run(case, names)
         statuses = [r.status.value for r in result.results]
         progress.step(f"{case.case_id} {case.name or ''} {','.join(statuses)}")
         for message in result.failure_messages():
@@ -190,7 +197,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       file=sys.stderr)
     config = session.config() | {"runner": "difftest run", "examples": args.examples,
                                  "seed": args.seed, "corpus": not args.no_corpus,
-                                 "shard": str(shard) if shard else None}
+                                 "shard": str(shard) if shard else None,
+                                 "generation": capabilities.lines()}
     report = build_report(session.records, session.backend_entries(), config,
                           session.environment, earlier_crashes=earlier)
     print(summary(report))

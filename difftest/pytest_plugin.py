@@ -9,9 +9,9 @@ profiles, the run log, crash recovery, the report) when
 * any ``--difftest-*`` option is given, or
 * the project's pytest configuration sets ``difftest = true`` (this repository does, in
   ``pyproject.toml``), or
-* a test requests the ``check_case`` or ``difftest_session`` fixture; activated this late,
-  the process neither pins GPUs nor loads a Hypothesis profile, so projects that use the
-  fixtures under ``pytest -n`` set ``difftest = true``.
+* a test requests the ``check_case``, ``check_example`` or ``difftest_session`` fixture;
+  activated this late, the process neither pins GPUs nor loads a Hypothesis profile, so
+  projects that use the fixtures under ``pytest -n`` set ``difftest = true``.
 """
 
 from __future__ import annotations
@@ -96,3 +96,11 @@ def difftest_case_strategy(pytestconfig: pytest.Config) -> SearchStrategy[Case]:
 def check_case(pytestconfig: pytest.Config) -> Callable[[Case], CaseResult]:
     """``check_case(case)``: run it on every configured backend; fail on any disagreement."""
     return _active(pytestconfig).check
+
+
+@pytest.fixture(scope="session")
+def check_example(pytestconfig: pytest.Config) -> Callable[[Case], list[CaseResult]]:
+    """``check_example(case)``, for a case drawn from ``difftest_case_strategy``: every
+    configured backend runs it or the variant of it fitted to the backend; fail on any
+    disagreement. Returns one result per run."""
+    return _active(pytestconfig).check_example

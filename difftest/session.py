@@ -108,17 +108,28 @@ class Session:
         assert self.store.environment is not None
         return self.store.environment
 
-    def run(self, case: Case) -> CaseResult:
-        """Run one case (on disk while it runs; its failure stored), keep its result and
-        record, and return the result."""
-        self.store.begin(case, [self.reference.name, *(b.name for b in self.backends)])
+    def run(self, case: Case, backends: Iterable[str] | None = None) -> CaseResult:
+        """Run one case on every backend under test, or on those named in ``backends`` (a
+        fitted run, :meth:`difftest.cases.capabilities.Capabilities.fit`); the case is on
+        disk while it runs and its failure stored. Keeps its result and record."""
+        chosen = self.backends if backends is None else self.chosen(backends)
+        self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
         result = run_case(case, ObservedReference(self.reference, self.store),
-                          [ObservedBackend(b, self.store) for b in self.backends], self.device)
+                          [ObservedBackend(b, self.store) for b in chosen], self.device)
         record = result.record(self.store.outputs(case))
         result.artifact = self.store.finish(case, record)
         self.results.append(result)
         self.records.append(record)
         return result
+
+    def chosen(self, names: Iterable[str]) -> list[Backend]:
+        """The backends under test called ``names``, in the session's order."""
+        wanted = set(names)
+        unknown = wanted - {b.name for b in self.backends}
+        if unknown:
+            raise registry.RegistryError(f"not backends of this session: {sorted(unknown)} "
+                                         f"(it has {[b.name for b in self.backends]})")
+        return [b for b in self.backends if b.name in wanted]
 
     def backend_entries(self) -> dict[str, dict[str, Any]]:
         """Availability and versions of the reference and every backend under test."""

@@ -1,5 +1,5 @@
 """The case strategies: failing cases shrink in their tables and selections, the boundary bias
-holds, and capability-aware generation draws only what every chosen backend runs.
+holds (capability-aware generation: tests/test_capabilities.py).
 
 The shrink tests hunt mutants planted on the emulated ``pa_decode_gluon`` (pure torch, fast on
 the CPU) with the mutation benchmark's own hunt.
@@ -10,18 +10,14 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import pytest
 import torch
 from difftest.backends.aiter_gluon import AiterGluon
-from difftest.cases.capabilities import Capabilities, cases_for
 from difftest.cases.generate import generated_cases
 from difftest.cases.strategies import PAGE_IDS_PAST_2_16, cases
 from hypothesis import find, settings
 
 from benchmarks.mutation_benchmark import FULL, hunt
-from difftest.backend import Availability
-from difftest.case import BLOCK_SIZE, Case
-from difftest.registry import discover, select
+from difftest.case import BLOCK_SIZE
 from difftest.sparse_table import build_rows, selection_is_canonical
 from mutants.catalog import MUTATIONS
 from mutants.injection import MutantBackend
@@ -102,83 +98,3 @@ def test_boundary_bias() -> None:
     # Most large caches must really be read past page 2**16 (measured 0.57 to 0.65 of them:
     # Hypothesis's draws under a fixed seed still shift with machine load).
     assert hits["large cache read past page 2**16"] >= 0.5 * hits["large cache"], share
-
-
-# ----- capability-aware generation -----------------------------------------------------------
-@dataclasses.dataclass
-class Picky:
-    """A stand-in backend that refuses what ``refuses`` says."""
-
-    name: str
-    refuses: object
-    reason: str
-    available: bool = True
-    in_page_orders: tuple[str, ...] = ("plain",)
-
-    def availability(self) -> Availability:
-        return Availability(self.available, "" if self.available else "no such hardware")
-
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        return self.reason if self.refuses(case) else None  # type: ignore[operator]
-
-
-NO_BF16 = Picky("no-bf16", lambda c: c.query_dtype == "bfloat16", "bf16 queries miscomputed")
-CANONICAL_ONLY = Picky("canonical-only", lambda c: not selection_is_canonical(c),
-                       "irregular selections refused")
-
-
-def test_draws_only_cases_every_backend_runs_and_says_what_it_left_out() -> None:
-    capabilities = Capabilities.probe([NO_BF16, CANONICAL_ONLY], CPU)
-    drawn = generated_cases(60, 0, capabilities.strategy(max_batch=2, max_topk=4))
-    assert len(drawn) == 60
-    assert all(not capabilities.unsupported_by(c) for c in drawn)
-    assert {c.query_dtype for c in drawn} == {"float32", "float16"}
-    lines = capabilities.lines()
-    assert "not drawn for no-bf16: query bfloat16 x KV any x layout any: bf16 queries " \
-           "miscomputed" in lines, lines
-    assert any(line.startswith("redrawn ") and "canonical-only refuses: irregular" in line
-               for line in lines), lines
-
-
-def test_kernel_modes_are_drawn_only_where_every_backend_runs_them() -> None:
-    everyone = generated_cases(40, 0, Capabilities.probe([NO_BF16], CPU).strategy(
-        max_batch=2, max_topk=4))
-    assert any(c.kernel_modes for c in everyone)
-    no_modes = Picky("no-modes", lambda c: bool(c.kernel_modes), "no softcap, no window")
-    capabilities = Capabilities.probe([NO_BF16, no_modes], CPU)
-    drawn = generated_cases(40, 0, capabilities.strategy(max_batch=2, max_topk=4))
-    assert not any(c.kernel_modes for c in drawn)
-    assert ("not drawn for no-modes: kernel modes (softcap, sliding window): no softcap, "
-            "no window") in capabilities.lines()
-
-
-def test_without_a_common_combination_the_most_supported_ones_are_drawn() -> None:
-    only_fp32 = Picky("fp32-only", lambda c: c.query_dtype != "float32", "fp32 queries only")
-    no_fp32 = Picky("no-fp32", lambda c: c.query_dtype == "float32", "no fp32 queries")
-    gone = Picky("gone", lambda c: False, "", available=False)
-    capabilities = Capabilities.probe([only_fp32, no_fp32, gone], CPU)
-    assert capabilities.combos and all(len(capabilities.unsupported_by(
-        Case(num_blocks=1, seq_lens=(1,), block_tables=((0,),), selections=((0,),),
-             query_dtype=q, kv_dtype=kv, kv_layout=lay))) == 1 for lay, q, kv in
-        capabilities.combos)
-    lines = capabilities.lines()
-    assert "not drawn for gone: unavailable: no such hardware" in lines
-    assert any(line.startswith("no dtype combination suits every backend") for line in lines)
-
-
-@pytest.mark.parametrize("names", [("triton-unified", "vllm-triton-sparse",
-                                    "aiter-gluon@emulated")])
-def test_default_cpu_backends_run_every_drawn_case(names: tuple[str, ...]) -> None:
-    """The README's default CPU run: plain generation leaves a third or more of the cases to
-    fewer backends; capability-aware generation none (checked by the backends' own
-    declarations, without running them)."""
-    backends = [b for b in select(discover(), names) if b.availability().available]
-    if len(backends) != len(names):
-        pytest.skip("a default backend is unavailable here")
-
-    def refused_share(drawn: list[Case]) -> float:
-        return sum(any(b.unsupported_reason(c, CPU) for b in backends) for c in drawn) / len(
-            drawn)
-
-    assert refused_share(generated_cases(50, 0)) >= 0.3
-    assert refused_share(generated_cases(50, 0, cases_for(backends, CPU))) < 0.05
