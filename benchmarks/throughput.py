@@ -1,27 +1,52 @@
 """Cases per second, and where the time goes, at small and production decode shapes.
 
-    python -m benchmarks.throughput --shape production --device cuda --cases 5
+    python -m benchmarks.throughput --shape production --device cuda --cases 6
     python -m benchmarks.throughput --shape small --device cpu --cases 20
+    python -m benchmarks.throughput --shape small --device cpu --cases 3 --profile 25
 
 Production: 16 query heads per rank, 1 KV head, top-k 16, 128 requests of 64 blocks, fp8
-KV, a 55k-block cache. Stages: generation (data, rows, page table), cache build per in-page
-order, each backend (``torch-ref`` is the float64 reference), comparison. "framework" is
-generation + cache build + comparison; "backends" is the sum of the backends' own time.
-The first case is a warm-up (Triton compilation) and is not counted.
+KV, a 55k-block cache. The first case is a warm-up (Triton compilation) and is not counted.
+
+Stages, as the runner times them (wall clock, device synchronised): ``generate`` (rows,
+data, page table), ``cache:<order>``, ``reference`` (``torch-ref``, float64), each backend,
+``compare``. "framework" is generation + cache build + comparison. Inside the reference and
+each backend the benchmark separates:
+
+* ``call``: the backend's own ``run``/``reference`` (without the session's bookkeeping around
+  it: the fsynced pending file that names the running backend, the output digest), and
+* ``kernel``: the backend's Triton launches, timed by wrapping Triton's launch entry points
+  (``JITFunction.run``; ``InterpretedFunction.run`` under ``TRITON_INTERPRET=1``): CUDA
+  events around each launch on a GPU (the device time of the kernel itself), the interpreted
+  launch's wall time on the CPU. ``adapter`` is ``call - kernel``: views, tables, casts,
+  output buffers, the kernel lookup. A backend that launches no Triton kernel (``torch-ref``)
+  shows its ``call`` only, and on a GPU its device span (CUDA events around the call).
+
+``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
+the N largest entries.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import torch
+
+from difftest.backend import Backend, RunInputs
 from difftest.case import Case
 from difftest.session import Session
 
 FRAMEWORK_STAGES = ("generate", "cache:plain", "cache:shuffled", "compare")
+FRAMEWORK = "framework"
 
 
 def production_case(seed: int, num_blocks: int = 55_000, batch: int = 128, topk: int = 16,
@@ -49,6 +74,124 @@ def small_case(seed: int, query_dtype: str) -> Case:
                            query_dtype=query_dtype).replace(name=f"small-{seed}")
 
 
+class LaunchTimer:
+    """Times Triton launches and backend calls, attributed to the stage running them.
+
+    Timings are kept as pending CUDA event pairs (resolved by :meth:`collect` after the
+    case, when the runner has synchronised) or as seconds on the CPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.stage = FRAMEWORK
+        self.kernel: dict[str, list[Any]] = defaultdict(list)
+        self.call: dict[str, list[float]] = defaultdict(list)
+        self.span: dict[str, list[Any]] = defaultdict(list)
+
+    def install(self) -> None:
+        """Wrap Triton's launch entry points (compiled and interpreted)."""
+        from triton.runtime import interpreter, jit
+
+        for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+            if not getattr(cls.run, "_difftest_timed", False):
+                cls.run = self._timed_launch(cls.run)
+
+    def _timed_launch(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            if warmup:
+                return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+            with self._measure(self.kernel[self.stage]):
+                return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
+
+        timed._difftest_timed = True  # type: ignore[attr-defined]
+        return timed
+
+    @contextmanager
+    def _measure(self, into: list[Any]) -> Iterator[None]:
+        if self.cuda:
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            into.append((start, end))
+        else:
+            begun = time.perf_counter()
+            yield
+            into.append(time.perf_counter() - begun)
+
+    @contextmanager
+    def stage_of(self, name: str) -> Iterator[None]:
+        """Attribute launches to ``name`` and time the call (device span too on a GPU)."""
+        outer, self.stage = self.stage, name
+        begun = time.perf_counter()
+        try:
+            with self._measure(self.span[name]):
+                yield
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.call[name].append(time.perf_counter() - begun)
+            self.stage = outer
+
+    def collect(self) -> dict[str, float]:
+        """This case's seconds per ``<stage>:kernel``, ``<stage>:span`` and ``<stage>:call``;
+        clears them."""
+        found: dict[str, float] = {}
+        for kind, table in (("kernel", self.kernel), ("span", self.span)):
+            for stage, items in table.items():
+                found[f"{stage}:{kind}"] = sum(self._seconds(item) for item in items)
+        for stage, seconds in self.call.items():
+            found[f"{stage}:call"] = sum(seconds)
+        for table in (self.kernel, self.span, self.call):
+            table.clear()
+        return found
+
+    def _seconds(self, item: Any) -> float:
+        if self.cuda:
+            start, end = item
+            return start.elapsed_time(end) / 1e3
+        return item
+
+
+class TimedBackend:
+    """A backend whose ``run`` (and ``reference``) the :class:`LaunchTimer` attributes."""
+
+    def __init__(self, inner: Backend, timer: LaunchTimer) -> None:
+        self.inner = inner
+        self.timer = timer
+        self.name = inner.name
+        self.in_page_orders = inner.in_page_orders
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The wrapped backend's output, timed."""
+        with self.timer.stage_of(self.name):
+            return self.inner.run(inputs)
+
+    def reference(self, inputs: RunInputs) -> Any:
+        """The wrapped reference, timed as the ``reference`` stage."""
+        with self.timer.stage_of("reference"):
+            return self.inner.reference(inputs)  # type: ignore[attr-defined]
+
+
+def profile_case(session: Session, case: Case, top: int) -> None:
+    """Run ``case`` under cProfile (and torch.profiler on a GPU); print the largest entries."""
+    profiler = cProfile.Profile()
+    if session.device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            profiler.runcall(session.run, case)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top))
+    else:
+        profiler.runcall(session.run, case)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    print(text.getvalue())
+
+
 def main() -> None:
     """Run the benchmark and print a table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -58,8 +201,14 @@ def main() -> None:
     parser.add_argument("--backends", default="triton-unified")
     parser.add_argument("--query-dtype", default=None,
                         help="default: bfloat16 on GPUs, float16 on the CPU (docs/findings.md F1)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile one more case and print its N largest entries")
     args = parser.parse_args()
     session = Session.create(args.backends.split(","), device=args.device)
+    timer = LaunchTimer(session.device)
+    timer.install()
+    session.reference = TimedBackend(session.reference, timer)  # type: ignore[assignment]
+    session.backends = [TimedBackend(b, timer) for b in session.backends]
     q_dtype = args.query_dtype or ("bfloat16" if session.device.type == "cuda" else "float16")
     make = ((lambda s: production_case(s, query_dtype=q_dtype)) if args.shape == "production"
             else (lambda s: small_case(s, q_dtype)))
@@ -70,22 +219,50 @@ def main() -> None:
         start = time.perf_counter()
         result = session.run(case)
         wall = time.perf_counter() - start
+        inner = timer.collect()
         statuses = {r.backend: r.status.value for r in result.results}
         print(f"case {seed}: {wall:.3f} s  {statuses}", flush=True)
         if seed == 0:
             continue
         walls.append(wall)
-        for stage, seconds in result.timings.items():
+        for stage, seconds in (*result.timings.items(), *inner.items()):
             stages[stage].append(seconds)
-    framework = sum(statistics.mean(stages[s]) for s in FRAMEWORK_STAGES if s in stages)
-    backends = sum(statistics.mean(v) for k, v in stages.items() if k not in FRAMEWORK_STAGES)
-    print(f"\nshape {args.shape}, device {session.device}, {args.cases} timed cases, "
-          f"query {q_dtype}")
-    print(f"{'stage':<24}{'mean ms':>12}")
-    for stage, values in sorted(stages.items()):
-        print(f"{stage:<24}{1e3 * statistics.mean(values):>12.2f}")
-    print(f"{'framework':<24}{1e3 * framework:>12.2f}")
-    print(f"{'backends':<24}{1e3 * backends:>12.2f}")
+        stages["session"].append(wall - sum(result.timings.values()))
+    mean = {stage: statistics.mean(values) for stage, values in stages.items()}
+    print_table(args, session, q_dtype, mean, walls)
+    if args.profile:
+        profile_case(session, make(args.cases + 1), args.profile)
+
+
+def print_table(args: argparse.Namespace, session: Session, q_dtype: str,
+                mean: dict[str, float], walls: list[float]) -> None:
+    """Per stage: the runner's wall time, and inside each backend its call and kernel."""
+    print(f"\nshape {args.shape}, device {session.device}, {len(walls)} timed cases, "
+          f"query {q_dtype}; mean ms per case")
+    ms = lambda seconds: f"{1e3 * seconds:>10.2f}"  # noqa: E731
+    print(f"{'stage':<26}{'wall':>10}{'call':>10}{'kernel':>10}{'adapter':>10}{'device':>10}")
+    backends = ["reference", *(b.name for b in session.backends)]
+    for stage in (*FRAMEWORK_STAGES, *backends, "session"):
+        if stage not in mean:
+            continue
+        row = f"{stage:<26}{ms(mean[stage])}"
+        if stage in backends and f"{stage}:call" in mean:
+            call, kernel = mean[f"{stage}:call"], mean.get(f"{stage}:kernel")
+            row += ms(call) + (ms(kernel) + ms(call - kernel) if kernel is not None
+                               else f"{'-':>10}{'-':>10}")
+            if f"{stage}:span" in mean and session.device.type == "cuda":
+                row += ms(mean[f"{stage}:span"])
+        print(row)
+    framework = sum(mean.get(s, 0.0) for s in FRAMEWORK_STAGES)
+    print(f"{'framework':<26}{ms(framework)}")
+    if f"{FRAMEWORK}:kernel" in mean:
+        print(f"{'  of which Triton kernels':<26}{ms(mean[f'{FRAMEWORK}:kernel'])}")
+    print(f"{'framework + reference':<26}{ms(framework + mean.get('reference', 0.0))}")
+    for backend in backends[1:]:
+        kernel = mean.get(f"{backend}:kernel")
+        if kernel:
+            ratio = (framework + mean.get("reference", 0.0)) / kernel
+            print(f"(framework + reference) / {backend} kernel: {ratio:.2f}")
     print(f"cases per second: {len(walls) / sum(walls):.3f}")
 
 
