@@ -4,6 +4,16 @@ It never reads the physical cache or its views: each query row gathers the store
 tokens the framework's sparse table says it attends, straight from the generated per-block
 data, dequantises them exactly (``stored * scale`` in float64) and runs a plain softmax.
 
+All rows at once (in chunks of at most ``ELEMENTS_PER_CHUNK`` gathered values, which only
+very large cases need): each row's segments (``data.segments``) are gathered as whole
+128-token blocks, ``[rows, width * 128, D]``, and the tokens past a segment's length (or
+outside the window) are masked, so there is no Python per row and no host synchronisation.
+Everything stays float64: on an H200 float64 GEMMs run at float32's rate (tensor-core DGEMM),
+and a float32 reference would use up the whole budget of a float32 backend (3.6e-7 of
+``sum p|v|``). The old per-chunk, per-token formulation computes the same sums in another
+order; how far the two may differ is derived in ``docs/performance.md`` and checked by
+``tests/test_reference_fast.py``.
+
 Kernel modes: a logit softcap ``c`` maps each scaled logit ``s`` to ``c * tanh(s / c)``
 (float64 ``tanh``, which saturates at any ``|s / c|``); a sliding window ``W`` masks every
 attended token but the row's last ``W``. A kernel that evaluates the softcap's ``tanh`` from
@@ -19,7 +29,7 @@ from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.tolerance import Reference
 
-ROWS_PER_CHUNK = 64
+ELEMENTS_PER_CHUNK = 1 << 25  # gathered values of K (or V) per chunk: 256 MiB in float64
 
 
 class TorchReference:
@@ -54,61 +64,39 @@ class TorchReference:
 
     def reference(self, inputs: RunInputs) -> Reference:
         """Output, ``sum p|v|`` and logit magnitudes of every row, float64."""
-        case, data = inputs.case, inputs.data
-        device = inputs.device
+        case, data, device = inputs.case, inputs.data, inputs.device
+        seg = data.segments
         f64 = torch.float64
-        keys = data.k_stored.to(f64).flatten(0, 1)[:, 0] * case.k_scale  # [blocks*128, D]
-        values = data.v_stored.to(f64).flatten(0, 1)[:, 0] * case.v_scale
-        query = data.query.to(f64)
-        ctx = torch.tensor([r.context_len for r in inputs.rows], dtype=torch.int64)
         shape = (case.total_q, case.num_q_heads, case.head_dim)
         out = torch.zeros(shape, dtype=f64, device=device)
         abs_out = torch.zeros(shape, dtype=f64, device=device)
         magnitude = torch.zeros(shape[:2], dtype=f64, device=device)
-        index_all = _token_index(inputs, ctx)
-        for start in range(0, case.total_q, ROWS_PER_CHUNK):
-            stop = min(start + ROWS_PER_CHUNK, case.total_q)
-            length = int(ctx[start:stop].max())
-            if length == 0:
-                continue
-            index = index_all[start:stop, :length].to(device)
-            ordinal = torch.arange(length)[None]
-            mask = ordinal < ctx[start:stop, None]
+        length = seg.width * case.block_size
+        if length == 0:
+            return Reference(out, abs_out, magnitude, seg.context_lens)
+        k_stored, v_stored = data.k_stored[:, :, 0], data.v_stored[:, :, 0]  # [blocks, 128, D]
+        query = data.query.to(f64)
+        token = torch.arange(case.block_size, device=device)
+        rows_per_chunk = max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim))
+        for start in range(0, case.total_q, rows_per_chunk):
+            rows = slice(start, min(start + rows_per_chunk, case.total_q))
+            slots = seg.slots[rows]
+            n = slots.shape[0]
+            mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
             if case.sliding_window:
-                mask &= ordinal >= ctx[start:stop, None] - case.sliding_window
-            mask = mask.to(device)
-            k = keys[index]  # [R, L, D]
-            v = values[index]
-            q = query[start:stop]  # [R, H, D]
+                ordinal = seg.starts[rows, :, None] + token
+                mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
+            mask = mask.view(n, 1, length)
+            k = k_stored[slots].to(f64).view(n, length, -1).mul_(case.k_scale)  # [R, L, D]
+            q = query[rows]  # [R, H, D]
             scores = torch.einsum("rhd,rld->rhl", q, k) * case.softmax_scale
             if case.softcap:
                 scores = case.softcap * torch.tanh(scores / case.softcap)
-            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-            out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v)
-            abs_out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v.abs())
-            prod = torch.einsum("rhd,rld->rhl", q * q, k * k).sqrt() * case.softmax_scale
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+            prod = torch.einsum("rhd,rld->rhl", q * q, k.square_()).sqrt() * case.softmax_scale
             prod = prod + case.softcap
-            magnitude[start:stop] = prod.masked_fill(~mask[:, None, :], 0).amax(dim=-1)
-        return Reference(out, abs_out, magnitude, ctx.to(device))
-
-
-def _token_index(inputs: RunInputs, ctx: torch.Tensor) -> torch.Tensor:
-    """``[total_q, max_ctx]`` row-major token indices into the flattened per-block data."""
-    case, data = inputs.case, inputs.data
-    width = max((len(r.segments) for r in inputs.rows), default=0)
-    length = int(ctx.max()) if ctx.numel() else 0
-    if width == 0 or length == 0:
-        return torch.zeros((case.total_q, max(length, 1)), dtype=torch.int64)
-    slots = torch.zeros((case.total_q, width), dtype=torch.int64)
-    ends = torch.full((case.total_q, width), length + 1, dtype=torch.int64)
-    for n, row in enumerate(inputs.rows):
-        if row.segments:
-            slots[n, : len(row.segments)] = torch.tensor(
-                [data.slot_of[s.physical_block] for s in row.segments])
-            ends[n, : len(row.segments)] = torch.tensor([s.tokens for s in row.segments]).cumsum(0)
-    starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
-    pos = torch.arange(length).expand(case.total_q, length).contiguous()
-    seg = torch.searchsorted(ends, pos, right=True).clamp(max=width - 1)
-    index = slots.gather(1, seg) * case.block_size + pos - starts.gather(1, seg)
-    return torch.where(pos < ctx[:, None], index, 0)
+            magnitude[rows] = prod.masked_fill(~mask, 0).amax(dim=-1)
+            v = v_stored[slots].to(f64).view(n, length, -1).mul_(case.v_scale)
+            out[rows] = torch.einsum("rhl,rld->rhd", probs, v)
+            abs_out[rows] = torch.einsum("rhl,rld->rhd", probs, v.abs_())
+        return Reference(out, abs_out, magnitude, seg.context_lens)

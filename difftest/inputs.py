@@ -4,6 +4,10 @@ Only physical blocks that some query row attends get data; each token's K and V 
 stored in the KV dtype. fp8 values are stored as ``cast(real / scale)`` with saturation at the
 format's maximum, so small scales push stored values to the fp8 maximum and large scales to
 its subnormals. The real value a kernel must see is ``stored * scale``.
+
+Besides the data, :func:`generate` tabulates every row's segments once (:class:`Segments`, on
+the data's device), so the reference and the cache builder work on tensors instead of walking
+the rows in Python, and nothing after generation copies between host and device.
 """
 
 from __future__ import annotations
@@ -13,11 +17,32 @@ from dataclasses import dataclass
 import torch
 
 from difftest import counter_rng
-from difftest.case import Case, cdiv
+from difftest.case import Case
 from difftest.dtypes import finite_max, torch_dtype
 from difftest.sparse_table import SparseRow
 
 _QUERY, _KEY, _VALUE = 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Every query row's segments in attend order, padded to ``width`` per row, on the device.
+
+    ``slots[r, j]`` is the entry of ``k_stored``/``v_stored`` holding segment ``j`` of row
+    ``r``, ``tokens[r, j]`` its attended tokens (0 on padding) and ``starts[r, j]`` the
+    ordinal of its first token within the row; all ``[total_q, width]`` int64.
+    ``context_lens`` is ``[total_q]`` int64.
+    """
+
+    slots: torch.Tensor
+    tokens: torch.Tensor
+    starts: torch.Tensor
+    context_lens: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """Segments of the longest row."""
+        return self.slots.shape[1]
 
 
 @dataclass(frozen=True)
@@ -27,7 +52,8 @@ class CaseData:
     ``k_stored``/``v_stored`` are ``[num_attended, block_size, num_kv_heads, head_dim]`` in the
     KV dtype, one entry per attended physical block, in ascending physical id order;
     ``slot_of`` maps a physical block id to its entry.
-    ``valid_tokens[i]`` is how many leading tokens of that block its request wrote.
+    ``valid_tokens[i]`` is how many leading tokens of that block its request wrote;
+    ``block_ids`` and ``written`` are the same two as int64 tensors on the device.
     """
 
     query: torch.Tensor
@@ -36,6 +62,9 @@ class CaseData:
     physical_blocks: tuple[int, ...]
     valid_tokens: tuple[int, ...]
     slot_of: dict[int, int]
+    block_ids: torch.Tensor
+    written: torch.Tensor
+    segments: Segments
 
 
 def _draw(seed: int, stream: int, rows: torch.Tensor, row_length: int,
@@ -43,11 +72,10 @@ def _draw(seed: int, stream: int, rows: torch.Tensor, row_length: int,
     """Values of ``rows`` of a flat index space, ``[len(rows), row_length]``."""
     if distribution == "normal":
         return counter_rng.normal_rows(seed, stream, rows, row_length)
-    index = rows.view(-1, 1) * row_length + torch.arange(row_length, device=rows.device)
     if distribution == "uniform":
-        return counter_rng.uniform(seed, stream, index) * 2 - 1
+        return counter_rng.uniform_rows(seed, stream, rows, row_length) * 2 - 1
     values = counter_rng.normal_rows(seed, stream, rows, row_length)
-    spikes = counter_rng.uniform(seed, 100 + stream, index) < 1 / 64
+    spikes = counter_rng.uniform_rows(seed, 100 + stream, rows, row_length) < 1 / 64
     return torch.where(spikes, values * 8, values)
 
 
@@ -60,6 +88,33 @@ def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
     return real.to(dtype)
 
 
+def _segment_table(case: Case, rows: tuple[SparseRow, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(blocks, written, table, context_lens)`` on the CPU, from one pass over the rows.
+
+    ``blocks``: the attended physical blocks, ascending; ``written[i]``: tokens its request
+    wrote in ``blocks[i]``; ``table``: ``[3, total_q, width]`` slots, tokens and starts.
+    """
+    flat = [v for n, row in enumerate(rows) for seg in row.segments
+            for v in (n, row.request, seg.block, seg.physical_block, seg.tokens)]
+    row, request, logical, physical, tokens = torch.tensor(flat, dtype=torch.int64).view(-1, 5).T
+    blocks, slot = torch.unique(physical, sorted=True, return_inverse=True)
+    # a physical block holds one logical block of one request (Case validation), so every
+    # segment of a block writes the same count
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int64)
+    written = torch.zeros_like(blocks)
+    written[slot] = (seq_lens[request] - logical * case.block_size).clamp(max=case.block_size)
+    counts = torch.bincount(row, minlength=case.total_q)
+    first = torch.cumsum(counts, 0) - counts  # index of each row's first segment
+    position = torch.arange(row.numel()) - first[row]
+    before = torch.cumsum(tokens, 0) - tokens  # tokens of all earlier segments
+    starts = before - before[first[row]]
+    table = torch.zeros((3, case.total_q, int(counts.max()) if row.numel() else 0),
+                        dtype=torch.int64)
+    table[:, row, position] = torch.stack((slot, tokens, starts))
+    return blocks, written, table, table[1].sum(1)
+
+
 def generate(case: Case, rows: tuple[SparseRow, ...],
              device: str | torch.device = "cpu") -> CaseData:
     """Generate the query and the K/V of every attended block, bit-identically on any device.
@@ -70,27 +125,26 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
     per_row = case.num_q_heads * case.head_dim
     q_rows = torch.arange(case.total_q, device=device)
     query = _draw(case.seed, _QUERY, q_rows, per_row, case.distribution)
-    written: dict[int, int] = {}
-    for seq_len, table in zip(case.seq_lens, case.block_tables, strict=True):
-        for lb, pb in enumerate(table):
-            written[pb] = min(case.block_size, seq_len - lb * case.block_size)
-    blocks = tuple(sorted({seg.physical_block for row in rows for seg in row.segments}))
+    blocks, written, table, ctx = _segment_table(case, rows)
+    # one host-to-device copy for every table
+    packed = torch.cat((blocks, written, table.flatten(), ctx)).to(device)
+    block_ids, written_d, table_d, ctx_d = packed.split(
+        (blocks.numel(), blocks.numel(), table.numel(), ctx.numel()))
+    table_d = table_d.view(table.shape)
     per_block = case.block_size * case.num_kv_heads * case.head_dim
-    block_ids = torch.tensor(blocks, dtype=torch.int64, device=device)
-    shape = (len(blocks), case.block_size, case.num_kv_heads, case.head_dim)
+    shape = (blocks.numel(), case.block_size, case.num_kv_heads, case.head_dim)
     k_real = _draw(case.seed, _KEY, block_ids, per_block, case.distribution).view(shape)
     v_real = _draw(case.seed, _VALUE, block_ids, per_block, case.distribution).view(shape)
+    physical = tuple(blocks.tolist())
     return CaseData(
         query=query.view(case.total_q, case.num_q_heads, case.head_dim)
         .to(torch_dtype(case.query_dtype)),
         k_stored=quantize(k_real, case.kv_dtype, case.k_scale),
         v_stored=quantize(v_real, case.kv_dtype, case.v_scale),
-        physical_blocks=blocks,
-        valid_tokens=tuple(written[b] for b in blocks),
-        slot_of={b: i for i, b in enumerate(blocks)},
+        physical_blocks=physical,
+        valid_tokens=tuple(written.tolist()),
+        slot_of={b: i for i, b in enumerate(physical)},
+        block_ids=block_ids,
+        written=written_d,
+        segments=Segments(table_d[0], table_d[1], table_d[2], ctx_d),
     )
-
-
-def pages_holding_tokens(tokens: int, page_size: int) -> int:
-    """How many pages of a block hold at least one of its first ``tokens`` tokens."""
-    return cdiv(tokens, page_size)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from difftest.case import Case
-from difftest.inputs import CaseData, pages_holding_tokens
+from difftest.inputs import CaseData
 from difftest.sparse_table import SparseRow
 
 IN_PAGE_ORDERS: tuple[str, ...] = ("plain", "shuffled")
@@ -46,50 +46,43 @@ class CacheViews:
     v_page_offset: int
 
 
-def _attended_pages(case: Case, rows: tuple[SparseRow, ...]) -> dict[int, int]:
-    """Physical block -> number of leading pages some row attends."""
-    pages: dict[int, int] = {}
-    for row in rows:
-        for seg in row.segments:
-            n = pages_holding_tokens(seg.tokens, case.page_size)
-            pages[seg.physical_block] = max(pages.get(seg.physical_block, 0), n)
-    return pages
+def _reach(case: Case, data: CaseData) -> torch.Tensor:
+    """``[attended]``: slots of the leading pages some row attends, per block (ascending id)."""
+    seg = data.segments
+    pages = (seg.tokens + case.page_size - 1) // case.page_size
+    reach = torch.zeros_like(data.written)
+    return reach.scatter_reduce(0, seg.slots.flatten(), pages.flatten() * case.page_size,
+                                "amax")
 
 
-def _read_slots(case: Case, rows: tuple[SparseRow, ...],
-                blocks: tuple[int, ...]) -> torch.Tensor:
-    """``[len(blocks), block_size]`` bool: the slots some row reads (its window, if any)."""
-    read = torch.zeros((len(blocks), case.block_size), dtype=torch.bool)
-    index = {b: i for i, b in enumerate(blocks)}
-    for row in rows:
-        first = row.context_len - case.sliding_window if case.sliding_window else 0
-        ordinal = 0
-        for seg in row.segments:
-            start = max(first - ordinal, 0)
-            if start < seg.tokens:
-                read[index[seg.physical_block], start: seg.tokens] = True
-            ordinal += seg.tokens
-    return read
+def _read_slots(case: Case, data: CaseData) -> torch.Tensor:
+    """``[attended, block_size]`` bool: the slots some row reads (its window, if any)."""
+    seg = data.segments
+    first = (seg.context_lens - case.sliding_window if case.sliding_window
+             else torch.zeros_like(seg.context_lens))
+    start = (first[:, None] - seg.starts).clamp(min=0)  # [rows, width]
+    slot = torch.arange(case.block_size, device=start.device)
+    read = (slot >= start[..., None]) & (slot < seg.tokens[..., None])  # [rows, width, 128]
+    count = torch.zeros((data.written.numel(), case.block_size), dtype=torch.int32,
+                        device=start.device)
+    count.index_add_(0, seg.slots.flatten(), read.flatten(0, 1).to(torch.int32))
+    return count > 0
 
 
-def _attended_sides(case: Case, data: CaseData, rows: tuple[SparseRow, ...]) -> torch.Tensor:
+def _attended_sides(case: Case, data: CaseData) -> torch.Tensor:
     """``[attended, 2, 128, nkv, D]`` token-major sides of the attended blocks (ascending id):
     data where written, poison where not, NaN on pages no row reaches (with ``canary``: data
     where some row reads, NaN everywhere else)."""
-    attended = _attended_pages(case, rows)
-    device = data.k_stored.device
-    blocks = data.physical_blocks
-    tokens = torch.arange(case.block_size, device=device).view(1, -1)
-    written = torch.tensor(data.valid_tokens, device=device).view(-1, 1)
-    reach = torch.tensor([attended[b] * case.page_size for b in blocks], device=device)
     sides = torch.stack((data.k_stored, data.v_stored), dim=1)
+    nan = torch.tensor(float("nan"), dtype=sides.dtype, device=sides.device)
     if case.canary:
-        read = _read_slots(case, rows, blocks).to(device)[:, None, :, None, None]
-        return torch.where(read, sides, torch.full_like(sides, float("nan")))
-    poison = torch.full_like(sides, POISON)
-    sides = torch.where((tokens < written)[:, None, :, None, None], sides, poison)
-    nan = torch.full_like(sides, float("nan"))
-    return torch.where((tokens < reach.view(-1, 1))[:, None, :, None, None], sides, nan)
+        return torch.where(_read_slots(case, data)[:, None, :, None, None], sides, nan)
+    tokens = torch.arange(case.block_size, device=sides.device).view(1, -1)
+    poison = torch.tensor(POISON, dtype=sides.dtype, device=sides.device)
+    sides = torch.where((tokens < data.written.view(-1, 1))[:, None, :, None, None], sides,
+                        poison)
+    return torch.where((tokens < _reach(case, data).view(-1, 1))[:, None, :, None, None],
+                       sides, nan)
 
 
 def _shuffle(sides: torch.Tensor, case: Case) -> torch.Tensor:
@@ -112,7 +105,11 @@ def _shuffle(sides: torch.Tensor, case: Case) -> torch.Tensor:
 def build_cache(
     case: Case, data: CaseData, rows: tuple[SparseRow, ...], in_page_order: str
 ) -> CacheViews:
-    """The physical cache of ``case`` in ``in_page_order`` and its page-16 views."""
+    """The physical cache of ``case`` in ``in_page_order`` and its page-16 views.
+
+    What rows attend comes from ``data.segments`` (the tables :func:`difftest.inputs.generate`
+    made from ``rows``), so the build is tensor work on the data's device, no host copies.
+    """
     if in_page_order not in IN_PAGE_ORDERS:
         raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
     n, nkv, d, ps = case.num_blocks, case.num_kv_heads, case.head_dim, case.page_size
@@ -121,11 +118,11 @@ def build_cache(
     sides = torch.full((n, 2, case.block_size, nkv, d), float("nan"), dtype=data.k_stored.dtype,
                        device=device)
     sides[0, :, : case.page_size] = POISON
-    attended = _attended_sides(case, data, rows)
+    attended = _attended_sides(case, data)
     if attended.shape[0]:
         if in_page_order == "shuffled":
             attended = _shuffle(attended, case)
-        sides[torch.tensor(data.physical_blocks, device=device)] = attended
+        sides[data.block_ids] = attended
     c = nkv * d
     if case.kv_layout == "LBHNC":
         raw = sides.reshape(n, 2, case.block_size, c)

@@ -36,4 +36,23 @@ def test_seed_changes_data() -> None:
                            generate(other, build_rows(other)).query)
 
 
+def test_cpu_hashing_equals_the_int64_formulation() -> None:
+    """The chunked numpy uint32 path gives the bits of the torch int64 ops (the GPU's)."""
+    generator = torch.Generator().manual_seed(3)
+    index = torch.randint(0, 2**48, (2 * counter_rng._CHUNK + 5,), generator=generator)
+    for seed in (0, 2**40 + 5):
+        first, second = counter_rng.hash64(seed, 7, index)
+        total = (first & 0xFFFF) + (first >> 16) + (second & 0xFFFF) + (second >> 16)
+        normal = ((total.to(torch.float32) + 2.0) * 2.0**-16 - 2.0) * 1.7320508075688772
+        assert torch.equal(counter_rng.normal(seed, 7, index), normal)
+        uniform = (first >> 8).to(torch.float32) * 2.0**-24
+        assert torch.equal(counter_rng.uniform(seed, 7, index), uniform)
+    rows = torch.tensor([5, 0, 2**30 + 1])
+    length = counter_rng._CHUNK // 2 + 3  # row groups straddle the chunks
+    index = rows.view(-1, 1) * length + torch.arange(length)
+    assert torch.equal(counter_rng.normal_rows(9, 2, rows, length), counter_rng.normal(9, 2, index))
+    assert torch.equal(counter_rng.uniform_rows(9, 2, rows, length),
+                       counter_rng.uniform(9, 2, index))
+
+
 PINNED_NORMAL_DIGEST = "7648d59e3952598e"

@@ -1,0 +1,141 @@
+"""The batched reference against the per-chunk one it replaced: within the derived bound.
+
+``chunked_reference`` is the reference of commit 5191a76, verbatim but for its name: 64 rows
+per chunk, a per-token index built row by row. Both compute the same float64 formulas with
+sums in different orders, so they differ by rounding alone; ``difference_bound`` is the
+first-order bound on that difference derived in docs/performance.md ("The reference's error
+bound"), with a factor 2 for second-order terms. The bound is then shown to be far below
+the tightest tolerance any backend can declare (float32 throughout).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from difftest.backends.torch_ref import TorchReference
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
+from hypothesis import given
+
+from difftest.backend import Precision, RunInputs
+from difftest.case import Case
+from difftest.tolerance import Reference, Tolerance
+
+U64 = 2.0**-53
+CPU = torch.device("cpu")
+# B/T: the bound over the float32 tolerance, at most (7.3e-12 + 1.3e-12 M) / (3.6e-7 + 2.1e-6 M)
+# for contexts up to 8192 tokens (docs/performance.md)
+FAR_BELOW = 1e-4
+
+
+def chunked_reference(inputs: RunInputs) -> Reference:
+    """The float64 reference as computed before issue 11 (64 rows per chunk)."""
+    case, data = inputs.case, inputs.data
+    device = inputs.device
+    f64 = torch.float64
+    keys = data.k_stored.to(f64).flatten(0, 1)[:, 0] * case.k_scale
+    values = data.v_stored.to(f64).flatten(0, 1)[:, 0] * case.v_scale
+    query = data.query.to(f64)
+    ctx = torch.tensor([r.context_len for r in inputs.rows], dtype=torch.int64)
+    shape = (case.total_q, case.num_q_heads, case.head_dim)
+    out = torch.zeros(shape, dtype=f64, device=device)
+    abs_out = torch.zeros(shape, dtype=f64, device=device)
+    magnitude = torch.zeros(shape[:2], dtype=f64, device=device)
+    index_all = _token_index(inputs, ctx)
+    for start in range(0, case.total_q, 64):
+        stop = min(start + 64, case.total_q)
+        length = int(ctx[start:stop].max())
+        if length == 0:
+            continue
+        index = index_all[start:stop, :length].to(device)
+        ordinal = torch.arange(length)[None]
+        mask = ordinal < ctx[start:stop, None]
+        if case.sliding_window:
+            mask &= ordinal >= ctx[start:stop, None] - case.sliding_window
+        mask = mask.to(device)
+        k = keys[index]
+        v = values[index]
+        q = query[start:stop]
+        scores = torch.einsum("rhd,rld->rhl", q, k) * case.softmax_scale
+        if case.softcap:
+            scores = case.softcap * torch.tanh(scores / case.softcap)
+        scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v)
+        abs_out[start:stop] = torch.einsum("rhl,rld->rhd", probs, v.abs())
+        prod = torch.einsum("rhd,rld->rhl", q * q, k * k).sqrt() * case.softmax_scale
+        prod = prod + case.softcap
+        magnitude[start:stop] = prod.masked_fill(~mask[:, None, :], 0).amax(dim=-1)
+    return Reference(out, abs_out, magnitude, ctx.to(device))
+
+
+def _token_index(inputs: RunInputs, ctx: torch.Tensor) -> torch.Tensor:
+    case, data = inputs.case, inputs.data
+    width = max((len(r.segments) for r in inputs.rows), default=0)
+    length = int(ctx.max()) if ctx.numel() else 0
+    if width == 0 or length == 0:
+        return torch.zeros((case.total_q, max(length, 1)), dtype=torch.int64)
+    slots = torch.zeros((case.total_q, width), dtype=torch.int64)
+    ends = torch.full((case.total_q, width), length + 1, dtype=torch.int64)
+    for n, row in enumerate(inputs.rows):
+        if row.segments:
+            slots[n, : len(row.segments)] = torch.tensor(
+                [data.slot_of[s.physical_block] for s in row.segments])
+            ends[n, : len(row.segments)] = torch.tensor([s.tokens for s in row.segments]).cumsum(0)
+    starts = torch.cat([torch.zeros_like(ends[:, :1]), ends[:, :-1]], dim=1)
+    pos = torch.arange(length).expand(case.total_q, length).contiguous()
+    seg = torch.searchsorted(ends, pos, right=True).clamp(max=width - 1)
+    index = slots.gather(1, seg) * case.block_size + pos - starts.gather(1, seg)
+    return torch.where(pos < ctx[:, None], index, 0)
+
+
+def difference_bound(case: Case, ref: Reference, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bounds on ``|new - old|`` of the output (and of ``abs_output``) and of the logit
+    magnitude, for sums over at most ``length`` tokens (docs/performance.md)."""
+    d = case.head_dim
+    mag = ref.logit_magnitude[..., None]
+    out = 2 * U64 * ref.abs_output * (4 * length + 8 + (4 * (d + 3) * math.sqrt(d) + 32) * mag)
+    return out, 2 * U64 * 2 * (d + 6) * ref.logit_magnitude
+
+
+def check_within_bound(case: Case) -> None:
+    """New and old references of ``case`` differ within the bound, itself far below the
+    float32 tolerance."""
+    inputs = RunInputs(case, CPU)
+    new, old = TorchReference().reference(inputs), chunked_reference(inputs)
+    assert torch.equal(new.context_lens, old.context_lens)
+    length = inputs.data.segments.width * case.block_size
+    bound, mag_bound = difference_bound(case, old, length)
+    for name in ("output", "abs_output"):
+        error = (getattr(new, name) - getattr(old, name)).abs()
+        assert bool((error <= bound).all()), (name, float((error - bound).max()))
+    assert bool(((new.logit_magnitude - old.logit_magnitude).abs() <= mag_bound).all())
+    tightest = Tolerance(Precision("float32", "float32", "float32")).bound(old)
+    assert bool((bound <= FAR_BELOW * tightest).all())
+
+
+MODES = ({}, {"softcap": 30.0}, {"sliding_window": 200}, {"sliding_window": 1},
+         {"canary": True, "sliding_window": 77, "softcap": 5.0})
+
+
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: ",".join(m) or "plain")
+@pytest.mark.parametrize("case", load_corpus(), ids=lambda c: c.name)
+def test_corpus_references_agree_within_bound(case: Case, modes: dict[str, object]) -> None:
+    check_within_bound(case.replace(**modes))
+
+
+@given(cases())
+def test_generated_references_agree_within_bound(case: Case) -> None:
+    check_within_bound(case)
+
+
+def test_the_bound_catches_a_wrong_reference() -> None:
+    """A reference off by one float32 rounding is outside the bound: the check can fail."""
+    case = load_corpus()[0]
+    inputs = RunInputs(case, CPU)
+    old = chunked_reference(inputs)
+    bound, _ = difference_bound(case, old, inputs.data.segments.width * case.block_size)
+    wrong = old.output.float().double()
+    assert bool(((wrong - old.output).abs() > bound).any())
