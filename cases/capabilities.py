@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from difftest.backend import Backend
 from difftest.case import KV_LAYOUTS, MODE_DEFAULTS, Case, CaseError
-from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
+from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
 
 REDRAWS = 4  # draws of an example some backend cannot run in any variant, before it is kept
 MODE_PROBE = {"softcap": 30.0, "sliding_window": 1}  # a case with the kernel modes on
@@ -68,9 +68,17 @@ def _with(case: Case, **changes: Any) -> Case | None:
         return None
 
 
+def nearest(dtype: str, choices: Sequence[str]) -> list[str]:
+    """The other ``choices``, those of ``dtype``'s width first, then in declared order."""
+    width = torch_dtype(dtype).itemsize
+    return sorted((c for c in choices if c != dtype),
+                  key=lambda c: abs(torch_dtype(c).itemsize - width))
+
+
 def variants(case: Case) -> Iterator[tuple[Case, tuple[str, ...]]]:
-    """Cases near ``case``, fewest changed fields first: the query dtype, the KV dtype, and
-    the kernel modes (each on one off, then all off), each in the project's declared order."""
+    """Cases near ``case``, fewest changed fields first: the query dtype and the KV dtype
+    (the nearest first, :func:`nearest`), and the kernel modes (each on one off, then all
+    off)."""
     on = [m for m, off in MODE_DEFAULTS.items() if getattr(case, m) != off]
     mode_choices: list[tuple[dict[str, Any], tuple[str, ...]]] = [({}, ())]
     mode_choices += [({m: MODE_DEFAULTS[m]}, (f"{m} off",)) for m in on]
@@ -78,9 +86,9 @@ def variants(case: Case) -> Iterator[tuple[Case, tuple[str, ...]]]:
         mode_choices.append(({m: MODE_DEFAULTS[m] for m in on}, ("kernel modes off",)))
     axes = [
         [({}, ())] + [({"query_dtype": q}, (f"query_dtype {case.query_dtype} -> {q}",))
-                      for q in QUERY_DTYPES if q != case.query_dtype],
+                      for q in nearest(case.query_dtype, QUERY_DTYPES)],
         [({}, ())] + [({"kv_dtype": kv}, (f"kv_dtype {case.kv_dtype} -> {kv}",))
-                      for kv in KV_DTYPES if kv != case.kv_dtype],
+                      for kv in nearest(case.kv_dtype, KV_DTYPES)],
         mode_choices,
     ]
     choices = sorted(itertools.product(*axes),
@@ -209,6 +217,19 @@ class Capabilities:
                 variant = variant.replace(name=f"{case.case_id} fitted: {', '.join(changes)}")
             if names:
                 out.append(Fitted(variant, tuple(names), changes))
+        return out
+
+    def fit_all(self, examples: Iterable[Case]) -> list[Fitted]:
+        """The runs of ``examples`` (:meth:`fit`), each backend running a case at most once
+        (two examples can share a variant)."""
+        seen: set[tuple[str, str]] = set()
+        out = []
+        for example in examples:
+            for fitted in self.fit(example):
+                names = tuple(n for n in fitted.backends if (fitted.case.case_id, n) not in seen)
+                seen.update((fitted.case.case_id, n) for n in names)
+                if names:
+                    out.append(Fitted(fitted.case, names, fitted.changes))
         return out
 
     def strategy(self, **options: Any) -> st.SearchStrategy[Case]:

@@ -180,9 +180,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     capabilities = Capabilities.probe(session.backends, session.device)
     runs: list[tuple[Case, tuple[str, ...] | None]] = [
         (case, None) for case in ([] if args.no_corpus else load_corpus())]
-    runs += [(fitted.case, fitted.backends) for example in generated_cases(
-        args.examples, args.seed, capabilities.strategy())
-        for fitted in capabilities.fit(example)]
+    runs += [(fitted.case, fitted.backends) for fitted in capabilities.fit_all(
+        generated_cases(args.examples, args.seed, capabilities.strategy()))]
     if shard is not None:
         runs = [(case, names) for case, names in runs if shard.contains(case)]
     progress = Progress(len(runs))

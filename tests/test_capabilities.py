@@ -73,7 +73,7 @@ def test_each_backend_runs_every_example_in_a_variant_it_accepts() -> None:
                                                              for f in STRUCTURE]
     lines = capabilities.lines()
     assert "examples some backend could not run: 0 of 60 (0.0%)" in lines, lines
-    assert any(line.startswith("fitted for no-bf16: ") and "query_dtype bfloat16 -> float32"
+    assert any(line.startswith("fitted for no-bf16: ") and "query_dtype bfloat16 -> float16"
                in line and line.endswith(": bf16 queries miscomputed") for line in lines), lines
 
 
@@ -91,7 +91,7 @@ def test_a_variant_names_its_example_and_changes_only_what_it_says() -> None:
                    and getattr(run.case, f.name) != getattr(example, f.name)}
         assert changed == {c.split()[0] for c in run.changes} | (
             {"k_scale", "v_scale"} if "kv_dtype" in changed else set())
-    assert runs[0].changes == ("query_dtype bfloat16 -> float32",)
+    assert runs[0].changes == ("query_dtype bfloat16 -> float16",)
     assert runs[1].changes == ("kv_dtype float8_e4m3fn -> bfloat16",)
     assert (runs[1].case.k_scale, runs[1].case.v_scale) == (1.0, 1.0)
 
@@ -147,7 +147,7 @@ def test_a_run_no_backend_is_left_for_is_dropped() -> None:
     example = Case(num_blocks=1, seq_lens=(1,), block_tables=((0,),), selections=((0,),),
                    query_dtype="bfloat16")
     runs = Capabilities.probe([NO_BF16], CPU).fit(example)
-    assert runs == [Fitted(runs[0].case, ("no-bf16",), ("query_dtype bfloat16 -> float32",))]
+    assert runs == [Fitted(runs[0].case, ("no-bf16",), ("query_dtype bfloat16 -> float16",))]
 
 
 def test_default_cpu_backends_run_every_example_and_vary_their_dtypes() -> None:
@@ -190,3 +190,17 @@ def test_run_runs_each_fitted_variant_on_its_backends(tmp_path: Path, device_nam
     assert per_backend == {"aiter-gluon@emulated": 4, "triton-unified": 4}
     assert data["config"]["generation"][-1] == "examples some backend could not run: 0 of 4 " \
                                                "(0.0%)"
+
+
+def test_fit_all_runs_a_variant_two_examples_share_once_per_backend() -> None:
+    first = Case(num_blocks=2, seq_lens=(5,), block_tables=((1,),), selections=((0,),),
+                 query_dtype="bfloat16")
+    second = first.replace(query_dtype="float16")  # first's variant for NO_BF16
+    capabilities = Capabilities.probe([NO_BF16, NO_FP32], CPU)
+    fitted = capabilities.fit(first)
+    assert [f.case.query_dtype for f in fitted] == ["bfloat16", "float16"]
+    runs = capabilities.fit_all([first, second, first])
+    pairs = [(f.case.case_id, n) for f in runs for n in f.backends]
+    # first: bf16 on no-fp32, its fp16 variant on no-bf16; second: fp16 on no-fp32 only
+    assert sorted(pairs) == sorted([(first.case_id, "no-fp32"), (second.case_id, "no-bf16"),
+                                    (second.case_id, "no-fp32")])
