@@ -2,7 +2,9 @@
 
 Modelled on ``torch.testing._comparison``: a single function produces a structured result
 (counts, greatest error, greatest error/tolerance) and a message that says where it failed:
-request, query token, head, dim, and the page ids that query row attended.
+request, query token, head, dim, and the page ids that query row attended. The runner adds
+the :mod:`difftest.diagnosis` of a disagreement (what the worst rows read instead) as
+``diagnosis``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Comparison:
     empty_row_violations: int
     tolerance: str
     worst: tuple[Location, ...]
+    diagnosis: tuple[str, ...] = ()
 
     def message(self, case: Case, reference_name: str = "torch-ref") -> str:
         """The failure text (also meaningful when it agrees)."""
@@ -101,12 +104,16 @@ class Comparison:
         if self.worst:
             lines.append("  Worst locations:")
             lines.extend(f"    {loc.describe()}" for loc in self.worst)
+        if self.diagnosis:
+            lines.append("  Diagnosis (what the worst rows read instead):")
+            lines.extend(f"    {line}" for line in self.diagnosis)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (locations included)."""
         data = asdict(self)
         data["worst"] = [asdict(loc) | {"pages": list(loc.pages)} for loc in self.worst]
+        data["diagnosis"] = list(self.diagnosis)
         return data
 
 

@@ -8,6 +8,7 @@ puts the case on disk before it runs and stores the failures.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -19,6 +20,7 @@ from difftest.backend import Backend, ReferenceBackend, RunInputs
 from difftest.case import Case
 from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
+from difftest.diagnosis import diagnosis_lines
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
 from difftest.tolerance import Reference, Tolerance
 
@@ -154,13 +156,19 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     timings[backend.name] = seconds
     start = time.perf_counter()
     try:
-        comparison = compare(backend.name, actual, truth,
-                             Tolerance(backend.precision(case, device)),
-                             backend.empty_row_output(case), case, inputs.rows)
+        tolerance = Tolerance(backend.precision(case, device))
+        empty_rows = backend.empty_row_output(case)
+        comparison = compare(backend.name, actual, truth, tolerance, empty_rows, case,
+                             inputs.rows)
     except Exception:  # an output that cannot be compared (wrong shape, not a tensor)
         return BackendResult(backend.name, Status.ERROR, seconds,
                              f"its output could not be compared:\n{_traceback()}",
                              versions=versions)
+    else:
+        if not comparison.agrees:  # what the worst rows read instead; never raises
+            comparison = dataclasses.replace(comparison, diagnosis=diagnosis_lines(
+                inputs, actual, truth, tuple(loc.row for loc in comparison.worst), tolerance,
+                empty_rows))
     finally:
         timings["compare"] = timings.get("compare", 0.0) + time.perf_counter() - start
     status = Status.AGREE if comparison.agrees else Status.DISAGREE

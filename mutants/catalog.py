@@ -9,6 +9,9 @@ with ``python -m difftest.cli run --plugin mutants.catalog --backends <mutant>``
 ``output-bf16`` is the control: it rounds the output to bf16 and declares it (a backend that
 stores a lower-precision output says so, and its tolerance follows), so it must never be
 reported.
+
+Each harmful mutation declares the :mod:`difftest.diagnosis` hypothesis that names its bug
+(``diagnosis``); the K-trim mismatch has none: AITER's assertion leaves no output to diagnose.
 """
 
 from __future__ import annotations
@@ -163,31 +166,38 @@ def _declare_bf16_output(precision: Precision) -> Precision:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("v-offset-7", "packed V view starts 7 pages into the block instead of 8",
-             cache=_v_offset(7), applies_to=_packed),
+             cache=_v_offset(7), applies_to=_packed, diagnosis="v-view-offset-7"),
     Mutation("v-offset-9", "packed V view starts 9 pages into the block instead of 8",
-             cache=_v_offset(9), applies_to=_packed),
+             cache=_v_offset(9), applies_to=_packed, diagnosis="v-view-offset-9"),
     Mutation("page-stride-8", "block page stride 8 for packed sides (ids block*8+j, not *16)",
-             sparse_table=_stride_8, applies_to=_packed),
+             sparse_table=_stride_8, applies_to=_packed, diagnosis="page-stride-8"),
     Mutation("tail-short-by-one", "the tail block's length is one token short",
-             sparse_table=_tail_short_by_one, applies_to=lambda c: bool(_tail_rows(c))),
+             sparse_table=_tail_short_by_one, applies_to=lambda c: bool(_tail_rows(c)),
+             diagnosis="context-minus-1"),
     Mutation("drop-last-block", "the last selected block of every row is dropped",
              sparse_table=_drop_last_block,
-             applies_to=lambda c: any(r.segments for r in build_rows(c))),
+             applies_to=lambda c: any(r.segments for r in build_rows(c)),
+             diagnosis="last-block-dropped"),
     Mutation("swap-kv-scales", "K and V scales swapped", scales=_swap_scales,
-             applies_to=lambda c: c.is_fp8 and c.k_scale != c.v_scale),
+             applies_to=lambda c: c.is_fp8 and c.k_scale != c.v_scale,
+             diagnosis="kv-scales-swapped"),
     Mutation("skip-scales", "fp8 K/V used without their scales (KVQuantMode.NONE)",
              scales=_skip_scales,
-             applies_to=lambda c: c.is_fp8 and (c.k_scale != 1.0 or c.v_scale != 1.0)),
+             applies_to=lambda c: c.is_fp8 and (c.k_scale != 1.0 or c.v_scale != 1.0),
+             diagnosis="kv-scales-missing"),
     Mutation("e4m3fn-as-fnuz", "e4m3fn cache bytes read as e4m3fnuz", cache=_e4m3fn_as_fnuz,
-             applies_to=lambda c: c.kv_dtype == "float8_e4m3fn"),
+             applies_to=lambda c: c.kv_dtype == "float8_e4m3fn",
+             diagnosis="fp8-read-as-float8_e4m3fnuz"),
     Mutation("page-id-16-bit", "page ids truncated to 16 bits", sparse_table=_truncate_16_bits,
-             applies_to=lambda c: c.max_page_id > PAGE_ID_MASK_16_BITS),
+             applies_to=lambda c: c.max_page_id > PAGE_ID_MASK_16_BITS,
+             diagnosis="page-id-mod-2**16"),
     Mutation("causal-limit-plus-one", "with several query tokens, each but the last sees the "
              "next token (causal limit off by one)", sparse_table=_causal_limit_plus_one,
-             applies_to=lambda c: bool(_mtp_rows(c))),
+             applies_to=lambda c: bool(_mtp_rows(c)), diagnosis="context-plus-1"),
     Mutation("read-unselected-page", "one attended page id replaced by a page of a block no "
              "row selected", sparse_table=_read_unselected_page,
-             applies_to=lambda c: _unselected_page(c) is not None),
+             applies_to=lambda c: _unselected_page(c) is not None,
+             diagnosis="page-from-unattended-block"),
     Mutation("output-bf16", "output rounded to bf16, declared as such (harmless)",
              harmful=False, output=_round_to_bf16, precision=_declare_bf16_output),
 )

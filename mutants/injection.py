@@ -8,6 +8,10 @@ A bug that lives in an adapter's configuration rather than in its inputs (AITER'
 switched off) is a :class:`MutantBackend` whose ``inner`` is the misconfigured backend and
 whose ``origin`` is the correct one it is named after.
 
+``Mutation.diagnosis`` names the :mod:`difftest.diagnosis` hypothesis that describes the bug
+(what the mutated kernel reads instead), ``""`` where the bug leaves no wrong output to
+diagnose (an error); the mutation benchmark checks that a kill is diagnosed so.
+
 ``Mutation.applies_to(case)`` is ``False`` only where the bug provably changes nothing the
 kernel reads (a packed-layout bug on an LHBNC case, a scale swap with equal scales): there
 the mutant *is* the correct backend, so such a case cannot kill it, whatever it reports.
@@ -43,6 +47,7 @@ class Mutation:
     output: Callable[[Case, torch.Tensor], torch.Tensor] | None = None
     precision: Callable[[Precision], Precision] | None = None
     applies_to: Callable[[Case], bool] | None = None
+    diagnosis: str = ""
 
     def reachable(self, case: Case) -> bool:
         """Whether the bug can change anything on ``case`` (see the module docstring)."""

@@ -1,0 +1,139 @@
+"""The diagnosis of a disagreement names what the backend read instead.
+
+Each planted bug of the mutation catalogue, run by the engine on a case that reaches it,
+must be diagnosed as the hypothesis its mutation declares; a correct output gets no
+diagnosis, a random one "no simple hypothesis", and a diagnosis that fails is a line, never
+an error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.triton_unified import TritonUnifiedAttention
+
+from difftest import diagnosis
+from difftest.backend import RunInputs
+from difftest.case import Case
+from difftest.diagnosis import HYPOTHESIS_NAMES, NOTHING, diagnose, hypothesis_of
+from difftest.records import CaseRecord
+from difftest.runner import Status, run_case
+from difftest.tolerance import Tolerance
+from mutants.catalog import DIFFTEST_BACKENDS, K_TRIM_OFF
+
+MUTANTS = {m.name: m for m in DIFFTEST_BACKENDS}
+# Two requests of two query tokens over packed fp8 blocks with distinct scales: every bug of
+# the catalogue but the 16-bit truncation (which needs page ids past 2**16) reaches it.
+CASE = Case(num_blocks=8, seq_lens=(300, 200), block_tables=((5, 1, 6), (2, 7)),
+            selections=((0, 1, 2), (0, 1, 2), (0, 1, -1), (0, 1, -1)), decode_query_len=2,
+            num_q_heads=4, query_dtype="float16", kv_dtype="float8_e4m3fn", k_scale=0.5,
+            v_scale=2.0, name="diagnosis")
+# One row reading physical block 4096 (page ids 65536..65543) and block 3.
+PAST_2_16 = Case(num_blocks=4097, seq_lens=(200,), block_tables=((4096, 3),),
+                 selections=((0, 1),), num_q_heads=4, query_dtype="float16",
+                 kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, name="past-2**16")
+DIAGNOSED = [n for n, m in MUTANTS.items() if m.mutation.diagnosis]
+
+
+@pytest.fixture(scope="module")
+def device(difftest_session) -> torch.device:
+    return difftest_session.device
+
+
+def test_every_harmful_mutation_declares_a_known_hypothesis() -> None:
+    """The catalogue's expectations name hypotheses the diagnosis tests; only the K-trim
+    mismatch (an error: no output) and the harmless control declare none."""
+    for mutant in MUTANTS.values():
+        expected = mutant.mutation.diagnosis
+        if mutant.mutation.harmful and mutant.mutation is not K_TRIM_OFF:
+            assert expected in HYPOTHESIS_NAMES, mutant.name
+        else:
+            assert expected == "", mutant.name
+    assert len(DIAGNOSED) == 11
+
+
+@pytest.mark.parametrize("name", DIAGNOSED)
+def test_planted_bug_is_diagnosed_as_itself(name: str, device: torch.device) -> None:
+    mutant = MUTANTS[name]
+    case = CASE if mutant.mutation.reachable(CASE) else PAST_2_16
+    assert mutant.mutation.reachable(case)
+    result = run_case(case, TorchReference(), [mutant], device)
+    outcome = result.results[0]
+    assert outcome.status is Status.DISAGREE, outcome.detail
+    lines = outcome.comparison.diagnosis
+    assert lines and hypothesis_of(lines[0]) == mutant.mutation.diagnosis, lines
+    message = result.failure_messages()[0]
+    assert "Diagnosis (what the worst rows read instead):" in message
+    assert lines[0] in message
+    record = json.loads(json.dumps(result.record().to_dict()))
+    back = CaseRecord.from_dict(record, "case")
+    assert back.results[0].comparison.diagnosis == lines
+
+
+def test_truncation_line_names_the_page_read(device: torch.device) -> None:
+    mutant = MUTANTS["triton-unified!page-id-16-bit"]
+    outcome = run_case(PAST_2_16, TorchReference(), [mutant], device).results[0]
+    assert "page 65536 read as 0" in outcome.comparison.diagnosis[0]
+
+
+def test_correct_output_gets_no_diagnosis(device: torch.device) -> None:
+    outcome = run_case(CASE, TorchReference(), [TritonUnifiedAttention()], device).results[0]
+    assert outcome.status is Status.AGREE
+    assert outcome.comparison.diagnosis == ()
+    assert "Diagnosis" not in outcome.comparison.message(CASE)
+
+
+def _diagnose(output: torch.Tensor, rows: tuple[int, ...]) -> list[str]:
+    inputs = RunInputs(CASE, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    tolerance = Tolerance(backend.precision(CASE, inputs.device))
+    return diagnose(inputs, output, truth, rows, tolerance, backend.empty_row_output(CASE))
+
+
+def test_the_correct_output_itself_is_explained_by_nothing() -> None:
+    """Every hypothesis changes what a row reads, so none reproduces the correct rows."""
+    truth = TorchReference().reference(RunInputs(CASE, torch.device("cpu")))
+    lines = _diagnose(truth.output.to(torch.float16), (0, 1, 2, 3))
+    assert len(lines) == 1 and lines[0].startswith(NOTHING), lines
+
+
+def test_random_output_is_explained_by_nothing() -> None:
+    generator = torch.Generator().manual_seed(0)
+    shape = (CASE.total_q, CASE.num_q_heads, CASE.head_dim)
+    garbage = torch.randn(shape, generator=generator).to(torch.float16)
+    lines = _diagnose(garbage, (0, 1, 2, 3))
+    assert lines == [f"{NOTHING} ({lines[0].split('(', 1)[1]}"]
+    assert lines[0].startswith(NOTHING) and "rows 0, 1, 2, 3 tried" in lines[0]
+
+
+def test_cost_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most MAX_ROWS rows, each with at most MAX_VARIANTS_PER_ROW rewritten reads (two
+    recomputations each, for fp8's two NaN decodings), plus the rules' agreeing rows."""
+    calls = []
+    recompute = diagnosis._RowModel.recompute
+
+    def counted(self: diagnosis._RowModel, read: diagnosis.Read, **kwargs: bool) -> object:
+        calls.append(read.query_row)
+        return recompute(self, read, **kwargs)
+
+    monkeypatch.setattr(diagnosis._RowModel, "recompute", counted)
+    shape = (CASE.total_q, CASE.num_q_heads, CASE.head_dim)
+    _diagnose(torch.ones(shape, dtype=torch.float16), (3, 2, 1, 0, 3, 2))
+    assert 0 < len(calls) <= 2 * diagnosis.MAX_ROWS * (diagnosis.MAX_VARIANTS_PER_ROW + 1)
+    assert set(calls) <= {0, 1, 2, 3}
+
+
+def test_a_failing_diagnosis_is_a_line_not_an_error(device: torch.device,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("no cache today")
+
+    monkeypatch.setattr(diagnosis._RowModel, "__init__", broken)
+    outcome = run_case(CASE, TorchReference(), [MUTANTS["triton-unified!skip-scales"]],
+                       device).results[0]
+    assert outcome.status is Status.DISAGREE
+    assert outcome.comparison.diagnosis == ("diagnosis failed: RuntimeError: no cache today",)
