@@ -2,7 +2,8 @@
 
 It never reads the physical cache or its views: each query row gathers the stored K/V of the
 tokens the framework's sparse table says it attends, straight from the generated per-block
-data, dequantises them exactly (``stored * scale`` in float64) and runs a plain softmax.
+data, dequantises them (``stored * scale`` in float64, the scale applied to the sums) and
+runs a plain softmax.
 
 All rows at once (in chunks of at most ``ELEMENTS_PER_CHUNK`` gathered values, which only
 very large cases need): each row's segments (``data.segments``) are gathered as whole
@@ -11,7 +12,7 @@ outside the window) are masked, so there is no Python per row and no host synchr
 Everything stays float64: on an H200 float64 GEMMs run at float32's rate (tensor-core DGEMM),
 and a float32 reference would use up the whole budget of a float32 backend (3.6e-7 of
 ``sum p|v|``). The old per-chunk, per-token formulation computes the same sums in another
-order; how far the two may differ is derived in ``docs/performance.md`` and checked by
+order and scales every value before summing; how far the two may differ is derived in ``docs/performance.md`` and checked by
 ``tests/test_reference_fast.py``.
 
 Kernel modes: a logit softcap ``c`` maps each scaled logit ``s`` to ``c * tanh(s / c)``
@@ -87,16 +88,17 @@ class TorchReference:
                 ordinal = seg.starts[rows, :, None] + token
                 mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
             mask = mask.view(n, 1, length)
-            k = k_stored[slots].to(f64).view(n, length, -1).mul_(case.k_scale)  # [R, L, D]
+            # the scales multiply the sums, not every gathered value (docs/performance.md)
+            k = k_stored[slots].to(f64).view(n, length, -1)  # [R, L, D] stored values
             q = query[rows]  # [R, H, D]
-            scores = torch.einsum("rhd,rld->rhl", q, k) * case.softmax_scale
+            scores = torch.einsum("rhd,rld->rhl", q, k) * (case.softmax_scale * case.k_scale)
             if case.softcap:
                 scores = case.softcap * torch.tanh(scores / case.softcap)
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
-            prod = torch.einsum("rhd,rld->rhl", q * q, k.square_()).sqrt() * case.softmax_scale
-            prod = prod + case.softcap
+            prod = torch.einsum("rhd,rld->rhl", q * q, k.square_()).sqrt()
+            prod = prod * (case.softmax_scale * case.k_scale) + case.softcap
             magnitude[rows] = prod.masked_fill(~mask, 0).amax(dim=-1)
-            v = v_stored[slots].to(f64).view(n, length, -1).mul_(case.v_scale)
-            out[rows] = torch.einsum("rhl,rld->rhd", probs, v)
-            abs_out[rows] = torch.einsum("rhl,rld->rhd", probs, v.abs_())
+            v = v_stored[slots].to(f64).view(n, length, -1)
+            out[rows] = torch.einsum("rhl,rld->rhd", probs, v) * case.v_scale
+            abs_out[rows] = torch.einsum("rhl,rld->rhd", probs, v.abs_()) * case.v_scale
         return Reference(out, abs_out, magnitude, seg.context_lens)

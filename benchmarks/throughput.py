@@ -222,6 +222,9 @@ def main() -> None:
         inner = timer.collect()
         statuses = {r.backend: r.status.value for r in result.results}
         print(f"case {seed}: {wall:.3f} s  {statuses}", flush=True)
+        for r in result.results:
+            if r.detail and r.status.value not in ("agree", "unsupported", "unavailable"):
+                print(f"  {r.backend}: {r.detail.splitlines()[0]}", flush=True)
         if seed == 0:
             continue
         walls.append(wall)

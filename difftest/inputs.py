@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from difftest import counter_rng
@@ -89,29 +90,29 @@ def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
 
 
 def _segment_table(case: Case, rows: tuple[SparseRow, ...]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(blocks, written, table, context_lens)`` on the CPU, from one pass over the rows.
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(blocks, written, table, context_lens)``, int64, from one pass over the rows.
 
     ``blocks``: the attended physical blocks, ascending; ``written[i]``: tokens its request
     wrote in ``blocks[i]``; ``table``: ``[3, total_q, width]`` slots, tokens and starts.
+    numpy, not torch: on arrays this small each torch op costs more than its work.
     """
     flat = [v for n, row in enumerate(rows) for seg in row.segments
             for v in (n, row.request, seg.block, seg.physical_block, seg.tokens)]
-    row, request, logical, physical, tokens = torch.tensor(flat, dtype=torch.int64).view(-1, 5).T
-    blocks, slot = torch.unique(physical, sorted=True, return_inverse=True)
+    row, request, logical, physical, tokens = np.array(flat, dtype=np.int64).reshape(-1, 5).T
+    blocks, slot = np.unique(physical, return_inverse=True)
     # a physical block holds one logical block of one request (Case validation), so every
     # segment of a block writes the same count
-    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int64)
-    written = torch.zeros_like(blocks)
-    written[slot] = (seq_lens[request] - logical * case.block_size).clamp(max=case.block_size)
-    counts = torch.bincount(row, minlength=case.total_q)
-    first = torch.cumsum(counts, 0) - counts  # index of each row's first segment
-    position = torch.arange(row.numel()) - first[row]
-    before = torch.cumsum(tokens, 0) - tokens  # tokens of all earlier segments
+    seq_lens = np.array(case.seq_lens, dtype=np.int64)
+    written = np.zeros_like(blocks)
+    written[slot] = np.minimum(seq_lens[request] - logical * case.block_size, case.block_size)
+    counts = np.bincount(row, minlength=case.total_q)
+    first = np.cumsum(counts) - counts  # index of each row's first segment
+    position = np.arange(row.size) - first[row]
+    before = np.cumsum(tokens) - tokens  # tokens of all earlier segments
     starts = before - before[first[row]]
-    table = torch.zeros((3, case.total_q, int(counts.max()) if row.numel() else 0),
-                        dtype=torch.int64)
-    table[:, row, position] = torch.stack((slot, tokens, starts))
+    table = np.zeros((3, case.total_q, int(counts.max()) if row.size else 0), dtype=np.int64)
+    table[:, row, position] = np.stack((slot, tokens, starts))
     return blocks, written, table, table[1].sum(1)
 
 
@@ -127,12 +128,12 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
     query = _draw(case.seed, _QUERY, q_rows, per_row, case.distribution)
     blocks, written, table, ctx = _segment_table(case, rows)
     # one host-to-device copy for every table
-    packed = torch.cat((blocks, written, table.flatten(), ctx)).to(device)
+    packed = torch.from_numpy(np.concatenate((blocks, written, table.ravel(), ctx))).to(device)
     block_ids, written_d, table_d, ctx_d = packed.split(
-        (blocks.numel(), blocks.numel(), table.numel(), ctx.numel()))
+        (blocks.size, blocks.size, table.size, ctx.size))
     table_d = table_d.view(table.shape)
     per_block = case.block_size * case.num_kv_heads * case.head_dim
-    shape = (blocks.numel(), case.block_size, case.num_kv_heads, case.head_dim)
+    shape = (blocks.size, case.block_size, case.num_kv_heads, case.head_dim)
     k_real = _draw(case.seed, _KEY, block_ids, per_block, case.distribution).view(shape)
     v_real = _draw(case.seed, _VALUE, block_ids, per_block, case.distribution).view(shape)
     physical = tuple(blocks.tolist())

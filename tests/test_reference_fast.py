@@ -96,7 +96,7 @@ def difference_bound(case: Case, ref: Reference, length: int) -> tuple[torch.Ten
     magnitude, for sums over at most ``length`` tokens (docs/performance.md)."""
     d = case.head_dim
     mag = ref.logit_magnitude[..., None]
-    out = 2 * U64 * ref.abs_output * (4 * length + 8 + (4 * (d + 3) * math.sqrt(d) + 32) * mag)
+    out = 2 * U64 * ref.abs_output * (4 * length + 10 + (4 * (d + 4) * math.sqrt(d) + 32) * mag)
     return out, 2 * U64 * 2 * (d + 6) * ref.logit_magnitude
 
 
