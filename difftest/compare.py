@@ -10,7 +10,7 @@ the :mod:`difftest.diagnosis` of a disagreement (what the worst rows read instea
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -85,6 +85,8 @@ class Comparison:
     tolerance: str
     worst: tuple[Location, ...]
     diagnosis: tuple[str, ...] = ()
+    # fields a report written before they existed lacks (read with their default)
+    READ_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"diagnosis"})
 
     def message(self, case: Case, reference_name: str = "torch-ref") -> str:
         """The failure text (also meaningful when it agrees)."""

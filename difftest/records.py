@@ -92,8 +92,9 @@ def _read(value: Any, hint: Any, where: str) -> Any:
     if origin is dict:
         entry = _object(value, where)
         return {k: _read(v, args[1], _at(where, k)) for k, v in entry.items()}
-    if dataclasses.is_dataclass(hint):
-        return read_entry(hint, value, where)  # type: ignore[arg-type]
+    if dataclasses.is_dataclass(hint):  # READ_OPTIONAL: fields older reports lack
+        return read_entry(hint, value, where,  # type: ignore[arg-type]
+                          frozenset(getattr(hint, "READ_OPTIONAL", frozenset())))
     raise TypeError(f"{where}: no reader for {hint!r}")  # a record field of a new kind
 
 

@@ -187,6 +187,18 @@ def test_an_old_record_with_bare_nonfinite_tokens_reads(run) -> None:
     assert record.results[index].ratio == float("inf")
 
 
+def test_a_record_written_before_the_diagnosis_field_reads_and_only_that_field_may_lack(
+        run) -> None:
+    entry = copy.deepcopy(_entry(run))
+    index = _result_with_worst(entry)
+    comparison = entry["results"][index]["comparison"]
+    comparison.pop("diagnosis")
+    assert CaseRecord.from_dict(entry, "old").results[index].comparison.diagnosis == ()
+    comparison.pop("tolerance")
+    with pytest.raises(RecordError, match=r"comparison\.tolerance: missing"):
+        CaseRecord.from_dict(entry, "old")
+
+
 # ----- docs/report-schema.md lists exactly the fields written -------------------------------
 
 def _documented(heading: str) -> set[str]:
