@@ -19,6 +19,11 @@ backend declares unsupported are not examples). Seconds to the first kill: ours,
 time of the Hypothesis run up to the kill; baselines, the time of the cases the mutant ran
 (generation, reference, its cache builds and its own run).
 
+Diagnosis: for our first kill of each mutant, the first line of the engine's diagnosis
+(:mod:`difftest.diagnosis`, on the comparison of a disagreement) and whether the hypothesis it
+names is the one the mutation declares (``Mutation.diagnosis``); an error has no output to
+diagnose and counts as not diagnosed.
+
 Then the correct backends run on a long derandomized stretch of generated cases, and every
 disagreement there is a false positive.
 """
@@ -49,6 +54,7 @@ from hypothesis import strategies as st
 
 from difftest import devices
 from difftest.case import Case
+from difftest.diagnosis import hypothesis_of
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.jsonfile import write_json
 from difftest.runner import FAILING, Status, run_case
@@ -111,6 +117,9 @@ class Outcome:
     first_size: dict[str, int] | None = None
     shrink_runs: int = 0
     note: str = ""
+    diagnosis: list[str] = field(default_factory=list)
+    expected_diagnosis: str = ""
+    diagnosed: bool = False
 
     def examples_or_inf(self) -> float:
         """Examples to the first kill; ``inf`` when not killed."""
@@ -203,6 +212,7 @@ def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
             outcome.killed, outcome.status = True, result.status.value
             outcome.seconds = time.perf_counter() - start
             outcome.first_size = case_size(case)
+            record_diagnosis(outcome, result, mutant.mutation.diagnosis)
         return result.status.value
 
     try:
@@ -213,6 +223,15 @@ def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
     if not outcome.killed:
         outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def record_diagnosis(outcome: Outcome, result: Any, expected: str) -> None:
+    """Put the diagnosis of a killing ``result`` on ``outcome``, and whether its first line
+    names ``expected``."""
+    outcome.diagnosis = list(result.comparison.diagnosis) if result.comparison else []
+    outcome.expected_diagnosis = expected
+    first = hypothesis_of(outcome.diagnosis[0]) if outcome.diagnosis else None
+    outcome.diagnosed = bool(expected) and first == expected
 
 
 def walk(mutants: Sequence[Any], grid: Iterable[Case], generator: str, device: torch.device,
@@ -464,12 +483,32 @@ def format_report(data: dict[str, Any]) -> str:
     blind = data.get("blind_spots", [])
     lines.append(f"kernel arguments not fixed that took one value: {len(blind)}"
                  + (f" ({', '.join(blind)})" if blind else ""))
+    lines.extend(format_diagnoses([o for o in outcomes if o.generator == "ours"], width))
     m = data["machine"]
     batches = ",".join(str(b) for b in data["limits"]["aiter_batches"])
     lines.append(f"aiter-grid batch sizes: {batches} (AITER's: 3,81)")
     lines.append(f"wall time {data['wall_seconds']:.0f} s on {m['device']} ({m['nproc']} cores, "
                  f"{m['workers']} workers, {m['processor'] or m['platform']}), {m['date']}")
     return "\n".join(lines)
+
+
+def format_diagnoses(ours: Sequence[Outcome], width: int) -> list[str]:
+    """Per harmful mutant: the hypothesis the diagnosis of its first kill names first, the
+    expected one, and the count of those named correctly."""
+    harmful = [o for o in ours if o.harmful]
+    lines = ["", f"diagnosis of the first kill (ours): {sum(o.diagnosed for o in harmful)} of "
+             f"{len(harmful)} harmful mutants named correctly",
+             f"{'mutant':<{width}}  {'ok':<3}  {'expected':<28}  first diagnosis line"]
+    for o in harmful:
+        if not o.killed:
+            first = "not killed"
+        elif not o.diagnosis:
+            first = f"({o.status}: no output to diagnose)"
+        else:
+            first = o.diagnosis[0]
+        lines.append(f"{o.mutant:<{width}}  {'yes' if o.diagnosed else 'no':<3}  "
+                     f"{o.expected_diagnosis or '-':<28}  {first[:160]}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

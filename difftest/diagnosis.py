@@ -18,14 +18,26 @@ included: a read of a page no row attends gives NaN, or, where the backend's row
 the cache is e4m3, the value a decoder without NaN encodings gives the NaN byte (+-480 for
 e4m3fn, 0 for e4m3fnuz's ``0x80``; the Triton interpreter decodes so).
 
-A row's hypotheses are bounded (:data:`MAX_VARIANTS_PER_ROW` recomputations, per-block
-rewrites on the first :data:`MAX_SEGMENTS` segments), so a diagnosis costs at most
-``MAX_ROWS * MAX_VARIANTS_PER_ROW`` row recomputations. The result is a few lines:
-``explained by: <hypothesis> (<what the row read>)``, best first, or
-``no simple hypothesis explains it (...)``; :func:`diagnosis_lines` never raises (a failure
-is the line ``diagnosis failed: ...``). Hypotheses that explain every diagnosed row rank
-first, then those whose recomputed output is finite (a non-finite row only says that some
-canary was read), then those that change the fewest tokens' reads.
+A prediction explains a row only if, on every element the comparison flagged, it also
+removes at least half of the error, so neither a hypothesis that barely changes the read nor
+one whose recomputation has a tolerance too loose to mean anything explains a mismatch. A
+hypothesis is either a *rule* a kernel would apply to every row (page-id truncation or
+stride, the packed sides' offsets, scales, fp8 format, softmax scale, block ids off by one)
+or *per row* (:data:`PER_ROW`: token counts, one page or block read from elsewhere, another
+request's table or query token); a rule must also leave up to :data:`MAX_CONTROL_ROWS`
+agreeing rows agreeing. Ranking: explaining more diagnosed rows, then on finite values (a
+non-finite row only says that some NaN canary was read), then rules before per-row
+hypotheses, then fewer tokens read differently, then the order of :data:`HYPOTHESIS_NAMES`;
+the first line names the hypotheses tied with it on all but that order ("equally
+consistent"): the output cannot tell them apart.
+
+Cost is bounded: each diagnosed row tries at most :data:`MAX_VARIANTS_PER_ROW` rewritten
+reads (per-block rewrites on its first :data:`MAX_SEGMENTS` segments), each one or two row
+recomputations (the second for e4m3's NaN decoding), plus one per rule and agreeing row. The
+result is at most :data:`MAX_LINES` lines, ``explained by: <hypothesis> (<what the row
+read>; explains <rows>)`` best first (``partly explained by:`` when it explains only some of
+the rows), or ``no simple hypothesis explains it (...)``; :func:`diagnosis_lines` never
+raises (a failure is the line ``diagnosis failed: ...``).
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ MAX_CONTROL_ROWS = 2
 PREFIX = "explained by: "
 NOTHING = "no simple hypothesis explains it"
 FAILED = "diagnosis failed: "
+EXPLAINED_SHARE = 0.5  # of the error on each flagged element that a hypothesis must remove
 E4M3_NAN_AS_FINITE = {"float8_e4m3fn": 480.0, "float8_e4m3fnuz": 0.0}
 
 
@@ -208,25 +221,37 @@ class _RowModel:
         backend's row, float64) and whether that rests on finite values.
 
         ``truth`` is the row's real reference. The prediction explains ``actual`` when it
-        matches it within the tolerance of the prediction's magnitudes, or of those with the
-        logit magnitude capped at the correct read's (a read of huge values, a canary or
-        poison page, saturates the softmax, where the logit term of :class:`Tolerance` would
-        admit anything), and that tolerance does not also admit the correct output (a
-        prediction the comparison could not tell from the truth explains no mismatch).
+        matches it within the tolerance of the prediction's magnitudes and, on every element
+        the comparison flagged (outside the truth's tolerance), it is non-finite where
+        ``actual`` is or removes at least half of the error (:data:`EXPLAINED_SHARE`). The
+        second test keeps a loose tolerance from explaining anything: a read of huge values
+        (a canary or poison page, a large softcap) makes the logit term of
+        :class:`Tolerance` admit almost any output, and a read that barely changes the output
+        is within tolerance of the truth as well.
         """
+        flagged = self._flagged(truth, actual)
+        if not bool(flagged.any()):
+            return False, False
         predicted = self.recompute(read)
-        matched = self._explains(predicted, actual, truth)
+        matched = self._explains(predicted, actual, truth, flagged)
         if (not matched and self.case.kv_dtype in E4M3_NAN_AS_FINITE
                 and not bool(torch.isfinite(predicted.output).all())):
             predicted = self.recompute(read, nan_as_finite=True)
-            matched = self._explains(predicted, actual, truth)
+            matched = self._explains(predicted, actual, truth, flagged)
         return matched, matched and bool(torch.isfinite(predicted.output).any())
 
-    def _explains(self, predicted: Reference, actual: torch.Tensor, truth: Reference) -> bool:
-        capped = dataclasses.replace(predicted, logit_magnitude=torch.minimum(
-            predicted.logit_magnitude, truth.logit_magnitude))
-        return any(self._matches(p, actual) and not self._matches(p, truth.output[0])
-                   for p in (capped, predicted))
+    def _flagged(self, truth: Reference, actual: torch.Tensor) -> torch.Tensor:
+        """The elements the comparison judges wrong (as :func:`difftest.compare.compare`)."""
+        return ~((actual - truth.output[0]).abs() <= self.tolerance.bound(truth)[0])
+
+    def _explains(self, predicted: Reference, actual: torch.Tensor, truth: Reference,
+                  flagged: torch.Tensor) -> bool:
+        if not self._matches(predicted, actual):
+            return False
+        expected, wrong = predicted.output[0][flagged], actual[flagged]
+        error = (wrong - truth.output[0][flagged]).abs()
+        closer = (wrong - expected).abs() <= EXPLAINED_SHARE * error
+        return bool((closer | (~torch.isfinite(expected) & ~torch.isfinite(wrong))).all())
 
     def _matches(self, predicted: Reference, actual: torch.Tensor) -> bool:
         """Every element of ``actual`` within the tolerance of ``predicted``, or non-finite
@@ -458,12 +483,12 @@ def _lbhnc(case: Case) -> bool:
 
 
 HYPOTHESES: tuple[Generator, ...] = (
-    _renumbered("page-id-mod-2**16", "page ids truncated to 16 bits", lambda p: p & 0xFFFF),
-    _renumbered("page-id-mod-2**15", "page ids truncated to 15 bits", lambda p: p & 0x7FFF),
     _renumbered("page-stride-8", "page ids at block stride 8 instead of 16 (block*8+j)",
                 lambda p: p // 16 * 8 + p % 16, _lbhnc),
     _renumbered("page-stride-16", "page ids at block stride 16 instead of 8 (block*16+j)",
                 lambda p: p // 8 * 16 + p % 8, lambda c: not _lbhnc(c)),
+    _renumbered("page-id-mod-2**16", "page ids truncated to 16 bits", lambda p: p & 0xFFFF),
+    _renumbered("page-id-mod-2**15", "page ids truncated to 15 bits", lambda p: p & 0x7FFF),
     _token_counts,
     _packed_sides,
     _scales,
@@ -476,12 +501,14 @@ HYPOTHESES: tuple[Generator, ...] = (
     _other_request_table,
     _other_query_token,
 )
+# Hypotheses about one row's reads; every other one is a rule a kernel applies to all rows.
 PER_ROW: frozenset[str] = frozenset({
     "context-plus-1", "context-minus-1", "last-block-dropped", "page-from-unattended-block",
     "page-from-null-block", "neighbouring-block", "block-0", "other-request-table",
     "other-query-token-selection", "other-query-token-query"})
+# Every hypothesis, in tie-break order (rules of page ids first).
 HYPOTHESIS_NAMES: tuple[str, ...] = (
-    "page-id-mod-2**16", "page-id-mod-2**15", "page-stride-8", "page-stride-16",
+    "page-stride-8", "page-stride-16", "page-id-mod-2**16", "page-id-mod-2**15",
     "context-plus-1", "context-minus-1", "last-block-dropped",
     "k-read-from-v-side", "v-read-from-k-side", "kv-sides-swapped", "v-view-offset-7",
     "v-view-offset-9", "kv-scales-swapped", "kv-scales-missing", "k-scale-missing",
@@ -580,13 +607,18 @@ def diagnose(inputs: RunInputs, actual: torch.Tensor, truth: Reference, rows: tu
                 break
         else:
             found[name] = dataclasses.replace(explanation, controls=tuple(controls))
-    ranked = sorted(found.values(), key=lambda e: (
-        -len(e.rows), -min(e.finite_rows, 1), e.hypothesis in PER_ROW, e.changed_tokens,
-        e.priority))
+    def evidence(e: Explanation) -> tuple[int, int, bool, int]:
+        return -len(e.rows), -min(e.finite_rows, 1), e.hypothesis in PER_ROW, e.changed_tokens
+
+    ranked = sorted(found.values(), key=lambda e: (*evidence(e), e.priority))
     if not ranked:
         return [f"{NOTHING} ({tried} rewritten reads of rows "
                 f"{', '.join(map(str, rows))} tried)"]
-    return [e.line(rows) for e in ranked[:MAX_LINES]]
+    lines = [e.line(rows) for e in ranked[:MAX_LINES]]
+    tied = [e.hypothesis for e in ranked[1:] if evidence(e) == evidence(ranked[0])]
+    if tied:
+        lines[0] = lines[0][:-1] + f"; equally consistent: {', '.join(tied)})"
+    return lines
 
 
 def diagnosis_lines(inputs: RunInputs, actual: torch.Tensor, truth: Reference,

@@ -64,6 +64,9 @@ def test_harmful_mutant_is_killed_quickly(name: str, device: torch.device) -> No
     assert outcome.killed, f"{name} survived {outcome.examples} examples"
     assert outcome.status in KILLED_AS.get(name, {"disagree"}), outcome
     assert outcome.examples <= KILL_WITHIN
+    # the benchmark keeps the first kill's diagnosis (tests/test_diagnosis.py checks its content)
+    assert outcome.expected_diagnosis == mutant.mutation.diagnosis
+    assert bool(outcome.diagnosis) == (outcome.status == "disagree"), outcome.diagnosis
 
 
 def test_page_count_mismatch_is_the_reports_assertion(device: torch.device) -> None:
