@@ -1,7 +1,9 @@
 """Where cases and failures live on disk, so nothing is lost when a process dies.
 
 ``begin`` writes the case to ``<root>/pending/<case_id>.<pid>.json`` (fsynced) before any kernel
-runs, and :meth:`ArtifactStore.running` notes there which backend is running. ``finish``
+runs, and :meth:`ArtifactStore.running` notes beside it, in ``<case_id>.<pid>.running`` (a few
+bytes, fsynced: rewriting the case for every backend cost milliseconds at production shape),
+which backend is running. ``finish``
 removes it and, when a backend failed, leaves ``<root>/failures/<case_id>/`` with
 
 * ``case.json``: the case (``difftest repro`` replays it),
@@ -94,6 +96,9 @@ class ArtifactStore:
     def _pending_path(self, case: Case) -> Path:
         return self.pending_dir / f"{case.case_id}.{os.getpid()}.json"
 
+    def _running_path(self, case: Case) -> Path:
+        return running_path(self._pending_path(case))
+
     def _write_pending(self, case: Case) -> Path:
         return write_json(self._pending_path(case), self._in_flight[case.case_id])
 
@@ -112,8 +117,7 @@ class ArtifactStore:
     def running(self, case: Case, backend: str) -> None:
         """Note on disk that ``backend`` now runs ``case`` (a crash is then attributed to it)."""
         if case.case_id in self._in_flight:
-            self._in_flight[case.case_id]["running"] = backend
-            self._write_pending(case)
+            write_text(self._running_path(case), backend)
 
     def record_output(self, case: Case, backend: str, output: torch.Tensor) -> str:
         """Keep the digest of ``backend``'s output on ``case`` for its results."""
@@ -132,6 +136,7 @@ class ArtifactStore:
         if record.failed:
             environment = in_flight["environment"] if in_flight else fingerprint()
             record.artifact = str(self.write_failure(case, record, environment))
+        self._running_path(case).unlink(missing_ok=True)
         self._pending_path(case).unlink(missing_ok=True)
         return record.artifact
 
@@ -191,6 +196,7 @@ class ArtifactStore:
             unjudged=[n for n in under_test if n not in crashed],
             plugins=list(pending.plugins))
         self.write_failure(pending.case, record, pending.environment, pending.plugins)
+        running_path(pending.path).unlink(missing_ok=True)
         pending.path.unlink(missing_ok=True)
         return record
 
@@ -200,16 +206,26 @@ class ArtifactStore:
                 for p in self.crashed(pids)]
 
 
+def running_path(pending: Path) -> Path:
+    """The file beside a pending case that names the backend running it."""
+    return pending.with_suffix(".running")
+
+
 def read_pending(path: Path | str) -> PendingCase:
-    """A pending file; :class:`JSONFileError` names the file and the field that is wrong."""
+    """A pending file, with the backend its ``.running`` sibling names (if any);
+    :class:`JSONFileError` names the file and the field that is wrong."""
     payload = read_json(path)
+    try:
+        running: str | None = running_path(Path(path)).read_text().strip() or None
+    except FileNotFoundError:
+        running = None
     if not isinstance(payload, dict):
         raise JSONFileError(f"{path}: not a pending case file (a JSON object expected)")
     try:
         return PendingCase(
             Path(path), Case.from_dict(payload["case"]), tuple(payload["backends"]),
             int(payload["pid"]), payload.get("host", ""), payload.get("pid_domain", ""),
-            payload.get("running"), payload.get("environment") or {},
+            running or payload.get("running"), payload.get("environment") or {},
             tuple(payload.get("plugins", ())))
     except KeyError as exc:
         raise JSONFileError(f"{path}: field {exc.args[0]!r} missing: not a pending case "
