@@ -17,7 +17,7 @@ import torch
 from difftest.backends.torch_ref import TorchReference
 from difftest.cases.corpus import load_corpus
 from difftest.cases.strategies import cases
-from hypothesis import given
+from hypothesis import given, settings
 
 from difftest.backend import Precision, RunInputs
 from difftest.case import Case
@@ -126,6 +126,8 @@ def test_corpus_references_agree_within_bound(case: Case, modes: dict[str, objec
     check_within_bound(case.replace(**modes))
 
 
+# two references per example: half the profile's examples (12 in CI), at most 200 (nightly)
+@settings(max_examples=max(10, min(200, settings().max_examples // 2)))
 @given(cases())
 def test_generated_references_agree_within_bound(case: Case) -> None:
     check_within_bound(case)
