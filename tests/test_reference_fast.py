@@ -133,6 +133,17 @@ def test_generated_references_agree_within_bound(case: Case) -> None:
     check_within_bound(case)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("case", load_corpus(), ids=lambda c: c.name)
+def test_gpu_reference_agrees_with_the_old_one_within_bound(case: Case) -> None:
+    """On the GPU too (other GEMM kernels, other summation orders)."""
+    inputs = RunInputs(case, torch.device("cuda"))
+    new, old = TorchReference().reference(inputs), chunked_reference(inputs)
+    bound, _ = difference_bound(case, old, inputs.data.segments.width * case.block_size)
+    assert bool(((new.output - old.output).abs() <= bound).all())
+    assert bool(((new.abs_output - old.abs_output).abs() <= bound).all())
+
+
 def test_the_bound_catches_a_wrong_reference() -> None:
     """A reference off by one float32 rounding is outside the bound: the check can fail."""
     case = load_corpus()[0]
