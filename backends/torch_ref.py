@@ -12,8 +12,8 @@ outside the window) are masked, so there is no Python per row and no host synchr
 Everything stays float64: on an H200 float64 GEMMs run at float32's rate (tensor-core DGEMM),
 and a float32 reference would use up the whole budget of a float32 backend (3.6e-7 of
 ``sum p|v|``). The old per-chunk, per-token formulation computes the same sums in another
-order and scales every value before summing; how far the two may differ is derived in ``docs/performance.md`` and checked by
-``tests/test_reference_fast.py``.
+order and scales every value before summing; how far the two may differ is derived in
+``docs/performance.md`` and checked by ``tests/test_reference_fast.py``.
 
 Kernel modes: a logit softcap ``c`` maps each scaled logit ``s`` to ``c * tanh(s / c)``
 (float64 ``tanh``, which saturates at any ``|s / c|``); a sliding window ``W`` masks every
