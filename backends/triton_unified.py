@@ -9,6 +9,18 @@ sliding window ``W`` as ``window_size=(W - 1, 0)``: the row's query sits at the 
 attended sequence, so the window is the last ``W`` attended tokens. Native on a GPU; on the
 CPU under ``TRITON_INTERPRET=1``.
 
+The other kernel modes (docs/kernel-modes.md):
+
+* fp8 queries (``q_scale``): the stored fp8 query and ``q_descale = q_scale`` (vLLM applies
+  it with fp8 K/V in ``FP8_PER_TENSOR`` mode, for its platform's fp8 dtype);
+* ``query_lens``: a request whose rows all select their causal blocks in order is passed as
+  one sequence of ``query_lens[r]`` query tokens over the request's blocks (causal within
+  it: the prefill path, ``max_seqlen_q > 1``); other rows stay sequences of their own;
+* split-K (``split_k_segments``): fp32 scratch for that many segments and
+  ``seq_threshold_3D = seq_threshold_3d``; vLLM then picks its 3-D kernel or the 2-D one by
+  shape (:func:`kernel_path`, also the audit's label), and the run checks from the scratch
+  which one really ran (a mismatch is an error, so a reported agreement names its path).
+
 ``triton-unified[vllm=0.30.0]`` (or ``vllm=/path/to/tree``, or ``$DIFFTEST_VLLM``) runs that
 release's kernel files instead of the venv's (:mod:`difftest.backends.vllm_release`).
 """
@@ -16,7 +28,9 @@ release's kernel files instead of the venv's (:mod:`difftest.backends.vllm_relea
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,7 +40,8 @@ from difftest.backends.vllm_release import chosen_release
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
-from difftest.dtypes import torch_dtype
+from difftest.dtypes import dtype_name, torch_dtype
+from difftest.sparse_table import kernel_sequences, unified_query_blocks
 
 KERNEL_FILES = ("v1/attention/ops/triton_unified_attention.py",
                 "attention/ops/triton_unified_attention.py")
@@ -36,6 +51,32 @@ INTERPRETER_BF16_FINDING = (
     "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
     "bfloat16 runs on GPUs"
 )
+INTERPRETER_FP8_QUERY_FINDING = (
+    "fp8 queries under TRITON_INTERPRET=1: Triton's interpreter converts float32 subnormals "
+    "to nonzero fp8 (1e-40 -> 0.00195), so the P * 256 -> fp8 step of the fp8-query path "
+    "turns weights below ~1e-36 into spurious ones (finding F12, "
+    "tests/test_kernel_modes.py::test_f12_interpreter_turns_fp32_subnormals_into_fp8_values); "
+    "fp8 queries run on GPUs"
+)
+MAX_3D_QUERY_LEN = 8  # vLLM 0.33.0's bound on max_seqlen_q for the 3-D kernel
+
+
+def kernel_path(case: Case, old_rule: bool = False) -> str:
+    """Which ``unified_attention`` kernel runs the case: ``"2D"`` or ``"3D"``.
+
+    vLLM 0.33.0: 3-D iff split-K scratch is given, ``max_seqlen_q <= 8``, and
+    ``num_seqs * cdiv(max_seqlen_q, BLOCK_Q) <= seq_threshold_3D`` (scratch rows = query
+    rows here; no batch invariance). ``old_rule`` (releases before ``MAX_3D_QUERY_LEN``,
+    e.g. 0.31.0): 3-D iff scratch, ``max_seqlen_q == 1`` and ``num_seqs <= threshold``.
+    """
+    if not case.split_k_segments:
+        return "2D"
+    seqs = kernel_sequences(case)
+    longest = max(n for _, n in seqs)
+    if old_rule:
+        return "3D" if longest == 1 and len(seqs) <= case.seq_threshold_3d else "2D"
+    blocks = unified_query_blocks(case)
+    return "3D" if longest <= MAX_3D_QUERY_LEN and blocks <= case.seq_threshold_3d else "2D"
 
 
 class TritonUnifiedAttention:
@@ -43,8 +84,11 @@ class TritonUnifiedAttention:
 
     in_page_orders = ("plain",)
 
-    def __init__(self, allow_interpreter_bf16: bool = False, vllm: str | None = None) -> None:
+    def __init__(self, allow_interpreter_bf16: bool = False, vllm: str | None = None,
+                 allow_interpreter_fp8_query: bool = False) -> None:
         self.allow_interpreter_bf16 = allow_interpreter_bf16
+        self.allow_interpreter_fp8_query = allow_interpreter_fp8_query
+        self._loaded: dict[str, Any] = {}  # the kernel, its source, its signature check
         self.release, self.release_error = chosen_release(vllm)
         self.name = f"triton-unified[vllm={vllm}]" if vllm else "triton-unified"
 
@@ -53,7 +97,8 @@ class TritonUnifiedAttention:
         unknown = sorted(set(options) - {"vllm"})
         if unknown:
             raise ValueError(f"triton-unified: unknown option {unknown[0]!r} (options: vllm)")
-        return TritonUnifiedAttention(self.allow_interpreter_bf16, options.get("vllm"))
+        return TritonUnifiedAttention(self.allow_interpreter_bf16, options.get("vllm"),
+                                      self.allow_interpreter_fp8_query)
 
     def availability(self) -> Availability:
         """Needs vLLM (the chosen release's kernel file where one is named), and a GPU or
@@ -66,9 +111,9 @@ class TritonUnifiedAttention:
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 queries under the interpreter; e4m3fnuz on NVIDIA GPUs; on releases before
-        ``kv_quant_mode`` (which cast only fp8 K/V to the query dtype), mixed 16/32-bit
-        dtypes."""
+        """bf16 and fp8 queries under the interpreter (F1, F12); fp8 queries a release cannot
+        descale; e4m3fnuz on NVIDIA GPUs; on releases before ``kv_quant_mode`` (which cast
+        only fp8 K/V to the query dtype), mixed 16/32-bit dtypes."""
         if device.type == "cpu" and not self.allow_interpreter_bf16 and (
             case.query_dtype == "bfloat16"
         ):
@@ -77,6 +122,12 @@ class TritonUnifiedAttention:
             devices.gpu_vendor() == "nvidia"
         ):
             return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        if case.q_scale:
+            if device.type == "cpu" and not self.allow_interpreter_fp8_query:
+                return INTERPRETER_FP8_QUERY_FINDING
+            reason = self._fp8_query_reason(case)
+            if reason:
+                return reason
         if not case.is_fp8 and case.query_dtype != case.kv_dtype and not self._casts_kv():
             version = self.release.version if self.release else vllm_version()
             return (f"vLLM {version}'s unified_attention has no kv_quant_mode and casts only "
@@ -85,12 +136,40 @@ class TritonUnifiedAttention:
                     f"{case.kv_dtype})")
         return None
 
+    def _fp8_query_reason(self, case: Case) -> str | None:
+        """Why this release cannot run fp8 queries of ``case``'s fp8 dtype, if it cannot."""
+        version = self.release.version if self.release else vllm_version()
+        if "Q_IS_FP8" not in self._source():
+            return (f"fp8 queries: vLLM {version}'s unified_attention has no q descale "
+                    "(it asserts q_descale is None)")
+        from vllm.platforms import current_platform
+
+        platform = dtype_name(current_platform.fp8_dtype())
+        if case.kv_dtype != platform:
+            return (f"fp8 queries in {case.kv_dtype}: vLLM applies q_descale only to queries "
+                    f"of its platform's fp8 dtype, {platform}")
+        return None
+
+    def _source(self) -> str:
+        """The text of the chosen release's kernel file (read once per backend)."""
+        if "source" not in self._loaded:
+            module = sys.modules[self._kernel().__module__]
+            self._loaded["source"] = Path(module.__file__ or "").read_text()
+        return self._loaded["source"]
+
     def _casts_kv(self) -> bool:
         """Whether the kernel casts every K/V tile to the query dtype (``kv_quant_mode``)."""
-        return "kv_quant_mode" in inspect.signature(self._kernel()).parameters
+        if "casts_kv" not in self._loaded:
+            self._loaded["casts_kv"] = (
+                "kv_quant_mode" in inspect.signature(self._kernel()).parameters)
+        return self._loaded["casts_kv"]
 
     def precision(self, case: Case, device: torch.device) -> Precision:
-        """K/V dequantised to the query dtype; fp32 dots use tf32 on GPUs."""
+        """K/V dequantised to the query dtype; fp32 dots use tf32 on GPUs. fp8 queries: q,
+        K and V stay fp8 and the probabilities are rounded to fp8 (``P * 256`` for the
+        fp8 ``P @ V`` dot), the output in the query dtype."""
+        if case.q_scale:
+            return Precision(case.kv_dtype, case.kv_dtype, case.query_dtype)
         return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
@@ -102,7 +181,10 @@ class TritonUnifiedAttention:
         import triton
 
         versions = {"vllm": vllm_version(), "triton": triton.__version__,
-                    "triton_interpret": str(devices.interpreted())}
+                    "triton_interpret": str(devices.interpreted()),
+                    "kernel_path": "2-D; 3-D where a case's split_k_segments and "
+                    "seq_threshold_3d make vLLM choose it (the audit's seq_threshold_3D "
+                    "label per case; checked from the scratch after each run)"}
         if self.release is not None:
             kernel = self.release.find(*KERNEL_FILES)
             versions.update(vllm=self.release.version, vllm_path=str(self.release.package),
@@ -112,7 +194,13 @@ class TritonUnifiedAttention:
         return versions
 
     def _kernel(self) -> Callable[..., Any]:
-        """The ``unified_attention`` function of the chosen release (or the venv's)."""
+        """The ``unified_attention`` function of the chosen release (or the venv's), looked
+        up once per backend."""
+        if "kernel" not in self._loaded:
+            self._loaded["kernel"] = self._load_kernel()
+        return self._loaded["kernel"]
+
+    def _load_kernel(self) -> Callable[..., Any]:
         if self.release is None:
             from vllm.v1.attention.ops import triton_unified_attention as module
         else:
@@ -126,9 +214,16 @@ class TritonUnifiedAttention:
         """One ``unified_attention`` call over all query rows."""
         unified_attention = self._kernel()
         case = inputs.case
+        device = inputs.device
         views = inputs.cache("plain")
         table, ctx = inputs.sparse_table
+        seqs = kernel_sequences(case)
+        last = torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long,
+                            device=table.device)
+        lengths = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32)
         query = inputs.data.query
+        if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs.py)
+            query = (query / case.q_scale).to(torch_dtype(case.kv_dtype))
         out = inputs.output(torch_dtype(case.query_dtype))
         k_scale, v_scale = inputs.scales()
         fp8 = case.is_fp8
@@ -138,21 +233,47 @@ class TritonUnifiedAttention:
             k=views.k,
             v=views.v,
             out=out,
-            cu_seqlens_q=torch.arange(case.total_q + 1, dtype=torch.int32, device=inputs.device),
-            max_seqlen_q=1,
-            seqused_k=ctx,
+            cu_seqlens_q=lengths.cumsum(0, dtype=torch.int32).to(device),
+            max_seqlen_q=max(n for _, n in seqs),
+            seqused_k=ctx[last],
             max_seqlen_k=case.topk * case.block_size,
             softmax_scale=case.softmax_scale,
             causal=True,
             window_size=window,
-            block_table=table,
+            block_table=table[last],
             softcap=case.softcap,
-            q_descale=None,
+            q_descale=(torch.tensor([case.q_scale], dtype=torch.float32, device=device)
+                       if case.q_scale else None),
             k_descale=k_scale if fp8 else None,
             v_descale=v_scale if fp8 else None,
         )
+        scratch = self._split_k_scratch(case, device)
+        arguments |= scratch
         if self._casts_kv():
             modes = unified_attention.__globals__["KVQuantMode"]
             arguments["kv_quant_mode"] = modes.FP8_PER_TENSOR if fp8 else modes.NONE
         unified_attention(**arguments)
+        if scratch and bool((ctx > 0).any()):
+            ran = "2D" if bool(scratch["softmax_segm_max"].isnan().all()) else "3D"
+            expected = kernel_path(case, old_rule="MAX_3D_QUERY_LEN" not in self._source())
+            if ran != expected:
+                raise RuntimeError(f"unified_attention ran its {ran} kernel where vLLM's rule "
+                                   f"says {expected} (split_k_segments "
+                                   f"{case.split_k_segments}, seq_threshold_3d "
+                                   f"{case.seq_threshold_3d}, {len(seqs)} sequences)")
         return out
+
+    @staticmethod
+    def _split_k_scratch(case: Case, device: torch.device) -> dict[str, Any]:
+        """vLLM's split-K arguments for ``case`` (none without ``split_k_segments``); the
+        segment maxima start NaN, so a 3-D run shows in them."""
+        if not case.split_k_segments:
+            return {}
+        rows = (case.total_q, case.num_q_heads, case.split_k_segments)
+        padded = 1 << (case.head_dim - 1).bit_length()
+        f32 = torch.float32
+        return {"seq_threshold_3D": case.seq_threshold_3d,
+                "num_par_softmax_segments": case.split_k_segments,
+                "softmax_segm_output": torch.zeros((*rows, padded), dtype=f32, device=device),
+                "softmax_segm_max": torch.full(rows, float("nan"), dtype=f32, device=device),
+                "softmax_segm_expsum": torch.zeros(rows, dtype=f32, device=device)}

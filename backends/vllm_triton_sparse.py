@@ -11,17 +11,22 @@ builder. Native on a GPU; interpreted on the CPU.
 
 Its documented quirks are declared, never hidden (docs/findings.md F3-F6):
 
-* it scans only the first ``min(topk, cdiv(kv_len, 128))`` lanes (a valid entry after a -1
-  or a future block can fall outside them) and counts a duplicated tail twice, so
-  non-canonical selections are unsupported unless the option ``irregular=accept`` forces
-  them through (``vllm-triton-sparse[irregular=accept]``);
+* non-canonical selections (``-1`` before valid lanes, duplicates, blocks past the causal
+  limit) run and are judged against the declared semantics (:mod:`difftest.sparse_table`),
+  except where its reading of the lanes is known to differ from it: it scans only the first
+  ``min(topk, cdiv(kv_len, 128))`` lanes (a valid entry after a -1 or a future block can
+  fall outside them) and counts a duplicated tail twice (finding F4). A case where that
+  changes what some row attends (:func:`~difftest.sparse_table.portable_reading_differs`)
+  is unsupported unless the option ``irregular=accept`` forces it through
+  (``vllm-triton-sparse[irregular=accept]``, which then disagrees);
 * bfloat16 queries are miscomputed by Triton's interpreter: unsupported on the CPU unless
   ``interpreter_bf16=accept``;
 * for a bf16/fp16 cache the query must have the cache's dtype (``tl.dot`` of q and K; only
   fp8 K/V are cast to the query dtype);
 * rows that attend nothing are NaN ("All-empty padded rows may still produce NaNs in merge"):
   declared undefined;
-* it has no logit softcap and no sliding window: cases with either are unsupported.
+* it has none of the kernel modes (softcap, sliding window, fp8 queries, per-request query
+  lengths, split-K scratch): cases with one are unsupported.
 
 ``vllm-triton-sparse[vllm=0.31.0]`` (or ``vllm=/path/to/tree``, or ``$DIFFTEST_VLLM``) runs
 that release's ``sparse_attn.py`` instead of the venv's (:mod:`difftest.backends.vllm_release`);
@@ -48,13 +53,13 @@ from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.registry import OptionSpec
-from difftest.sparse_table import selection_is_canonical
+from difftest.sparse_table import portable_reading_differs, selection_is_canonical
 
 IRREGULAR_FINDING = (
-    "non-canonical selection (a duplicate, a -1 before a valid lane, or a block past the "
-    "causal limit): minimax_m3_sparse_attn_decode scans only the first "
-    "min(topk, cdiv(kv_len, 128)) lanes and counts a duplicated tail twice (pinned finding "
-    "F4, tests/test_vllm_triton_sparse.py); vllm-triton-sparse[irregular=accept] runs it anyway"
+    "non-canonical selection that minimax_m3_sparse_attn_decode reads differently from the "
+    "declared semantics: it scans only the first min(topk, cdiv(kv_len, 128)) "
+    "lanes and counts a duplicated tail twice (pinned finding F4, "
+    "tests/test_vllm_triton_sparse.py); vllm-triton-sparse[irregular=accept] runs it anyway"
 )
 INTERPRETER_BF16_FINDING = (
     "bfloat16 queries under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter in "
@@ -111,13 +116,14 @@ class VllmTritonSparse:
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """Kernel modes, irregular selections, interpreted bf16, mixed non-fp8 dtypes, fnuz
-        on NVIDIA."""
+        """Kernel modes, irregular selections it reads differently (F4), interpreted bf16,
+        mixed non-fp8 dtypes, fnuz on NVIDIA."""
         if case.kernel_modes:
             return (f"{' and '.join(case.kernel_modes)}: minimax_m3_sparse_attn_decode has no "
                     "such mode")
         if self.options["irregular"] == "refuse" and not selection_is_canonical(case):
-            return IRREGULAR_FINDING
+            if portable_reading_differs(case):
+                return IRREGULAR_FINDING
         if (device.type == "cpu" and case.query_dtype == "bfloat16"
                 and self.options["interpreter_bf16"] == "refuse"):
             return INTERPRETER_BF16_FINDING

@@ -13,15 +13,17 @@ up to ``(N-1)*16+7``, 2039 at 128 blocks) in a block every row attends, block 0,
 enough for page ids past 2**16 (always with their last block attended), tails of 1 and 127
 tokens and exact multiples of 128, rows longer than top-k 16 x 128 tokens, empty selections,
 several query tokens per request, softmax scales other than ``head_dim**-0.5``, fp8 scales
-from 1e-3 (stored values at the fp8 maximum) to 1e2, and, in one case in eight, the kernel
-modes (softcap, sliding window, NaN canaries) of :mod:`difftest.cases.modes`.
+from 1e-3 (stored values at the fp8 maximum) to 1e2, and the kernel
+modes (softcap, sliding window, NaN canaries) of :mod:`difftest.cases.modes` in one case in
+two (:data:`KERNEL_MODES_ONE_IN`; enough that the default strategies find vLLM 0.30.0's
+softcap NaN and 0.13.0's sliding-window NaN within 50 examples, docs/kernel-modes.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from difftest.cases.modes import with_kernel_modes
+from difftest.cases.modes import mode_flags, mode_plans, query_lengths
 from hypothesis import strategies as st
 
 from difftest.case import (
@@ -41,7 +43,7 @@ MAX_FULL_BLOCKS = 20  # up to 21 blocks per request: rows longer than top-k 16 x
 TOPKS = (1, 2, 3, 4, 8, 16)  # ascending, so a shrink shortens the rows
 Q_HEADS = (1, 8, 16, 64)
 SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
-KERNEL_MODES_ONE_IN = 8  # cases with softcap, sliding window and canaries drawn (modes.py)
+KERNEL_MODES_ONE_IN = 2  # cases with softcap, sliding window and canaries drawn (modes.py)
 DtypeCombo = tuple[str, str, str]  # (kv_layout, query_dtype, kv_dtype)
 
 
@@ -92,24 +94,30 @@ def picks(draw: st.DrawFn, pool: Sequence[int], count: int) -> list[int]:
 
 @st.composite
 def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int, mode: str,
-            max_batch: int) -> tuple[int, list[int], list[list[int]]]:
+            max_batch: int, prefill: bool = False) -> tuple[int, list[int], list[list[int]]]:
     """One request, drawn in one piece: ``(seq_len, block table, selection rows)``.
 
     Its length fits the blocks still free, keeping one for each request that may follow
     (up to ``max_batch``); 0 marks a padded request (about one in three, never the first; a
     shrink unpads it). Its table takes free blocks (the last block first where favoured); a shrink
     moves them toward 0, 1, 2, ...
+
+    ``prefill``: the request draws its own query length (:func:`~difftest.cases.modes.
+    query_lengths`, one row per query token); one of several tokens fits top-k and every row
+    selects its causal blocks in order (the rows then share one causal sequence).
     """
     r = free.requests
     free.requests += 1
     padded = r > 0 and draw(st.integers(0, 2)) == 2
+    query_len = draw(query_lengths()) if prefill else decode_query_len
     budget = len(free)
     share = max(1, budget - (max_batch - r - 1))
-    full = draw(st.integers(0, min(share - 1, MAX_FULL_BLOCKS)))
-    length = max(full * BLOCK_SIZE + draw(tails()), decode_query_len)
+    most = min(share - 1, MAX_FULL_BLOCKS, topk - 1 if prefill and query_len > 1 else budget)
+    full = draw(st.integers(0, max(most, 0)))
+    length = max(full * BLOCK_SIZE + draw(tails()), query_len)
     needed = cdiv(length, BLOCK_SIZE)
     if padded or needed > budget:
-        return 0, [], [[-1] * topk for _ in range(decode_query_len)]
+        return 0, [], [[-1] * topk for _ in range(1 if prefill else decode_query_len)]
     table = []
     for _ in range(needed):
         # drawn even for the favoured last block, so that unfavouring it keeps the draws
@@ -117,8 +125,12 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
         at = draw(st.integers(0, len(free.ids) - 1)) if free.ids else 0
         table.append(free.last if free.last is not None else free.ids.pop(at))
         free.last = None
-    rows = [draw(selection_row(mode, topk, length - decode_query_len + i))
-            for i in range(decode_query_len)]
+    if prefill and query_len > 1 and needed <= topk:
+        rows = [list(range(pos // BLOCK_SIZE + 1)) + [-1] * (topk - pos // BLOCK_SIZE - 1)
+                for pos in range(length - query_len, length)]
+    else:
+        rows = [draw(selection_row(mode, topk, length - query_len + i))
+                for i in range(query_len)]
     return length, table, rows
 
 
@@ -196,13 +208,13 @@ def cases(
     """A valid case; restrict dtypes, layouts or selection modes to fit a backend, or the
     batch, top-k and cache size to keep a test cheap.
 
-    ``kernel_modes``: one case in :data:`KERNEL_MODES_ONE_IN` draws a softcap, a sliding
-    window and NaN canaries (:func:`difftest.cases.modes.with_kernel_modes`; a shrink
-    switches them off). ``combos`` narrows the ``(kv_layout, query_dtype, kv_dtype)``
-    triples further (the ones the chosen backends support:
-    :func:`difftest.cases.capabilities.cases_for`). ``accept`` rejects a drawn case, which
-    is then drawn again, up to ``redraws`` more times (the last draw is returned whatever
-    ``accept`` says).
+    ``kernel_modes``: one case in :data:`KERNEL_MODES_ONE_IN` draws the kernel modes (softcap,
+    sliding window, NaN canaries, fp8 queries, prefill-like query lengths, split-K:
+    :func:`difftest.cases.modes.mode_plans`, drawn first; a shrink switches them off).
+    ``combos`` narrows the ``(kv_layout, query_dtype, kv_dtype)`` triples further (the ones
+    the chosen backends support: :func:`difftest.cases.capabilities.cases_for`).
+    ``accept`` rejects a drawn case, which is then drawn again, up to ``redraws`` more times
+    (the last draw is returned whatever ``accept`` says).
     """
     allowed = [c for c in dtype_combos(layouts, query_dtypes, kv_dtypes)
                if combos is None or c in combos]
@@ -221,13 +233,18 @@ def cases(
 @st.composite
 def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple[str, ...],
           max_batch: int, max_topk: int, max_blocks: int, kernel_modes: bool) -> Case:
+    # every on/off decision of the modes comes from one integer drawn first (see
+    # modes.mode_plans); it shrinks to 0: modes off
+    flags = draw(mode_flags(kernel_modes))
+    plan = draw(mode_plans(flags)) if flags % KERNEL_MODES_ONE_IN == 1 else None
     layout = draw(st.sampled_from(sorted({c[0] for c in allowed}, key=KV_LAYOUTS.index)))
     q_dtype = draw(st.sampled_from([q for q in QUERY_DTYPES
                                     if any(c[:2] == (layout, q) for c in allowed)]))
     kv_dtype = draw(st.sampled_from([kv for kv in KV_DTYPES
                                      if (layout, q_dtype, kv) in allowed]))
     n = draw(num_blocks(layout, max_blocks))
-    dql = draw(st.integers(1, 4))
+    prefill = plan is not None and plan.prefill
+    dql = 1 if prefill else draw(st.integers(1, 4))
     topk = draw(st.sampled_from([t for t in TOPKS if t <= max_topk]))
     mode = draw(st.sampled_from(selection_modes))
     # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended:
@@ -237,7 +254,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
     # (two in three smaller caches too; a shrink unfavours it)
     favour_last = n >= PAGE_IDS_PAST_2_16[layout] or draw(st.sampled_from((False, True, True)))
     free = FreeBlocks(n, favour_last)
-    requests = draw(st.lists(request(free, dql, topk, mode, max_batch), min_size=1,
+    requests = draw(st.lists(request(free, dql, topk, mode, max_batch, prefill), min_size=1,
                              max_size=max_batch))
     lens = [length for length, _, _ in requests]
     tables = [table for _, table, _ in requests]
@@ -253,6 +270,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         block_tables=tuple(tuple(t) for t in tables),
         selections=tuple(tuple(r) for r in rows),
         decode_query_len=dql,
+        query_lens=tuple(len(q) for _, _, q in requests) if prefill else (),
         num_q_heads=draw(st.sampled_from(Q_HEADS)),
         query_dtype=q_dtype,
         kv_dtype=kv_dtype,
@@ -263,7 +281,4 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         distribution=draw(st.sampled_from(DISTRIBUTIONS)),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
-    # sampled_from draws uniformly (integers() favours 0) and shrinks to 0: modes off
-    if kernel_modes and draw(st.sampled_from(range(KERNEL_MODES_ONE_IN))) == 1:
-        return draw(with_kernel_modes(case))
-    return case
+    return plan.apply(case) if plan is not None else case

@@ -28,7 +28,12 @@ import torch
 from difftest.backend import Backend
 from difftest.case import Case
 from difftest.registry import parse_name
-from difftest.sparse_table import build_rows, selection_is_canonical
+from difftest.sparse_table import (
+    build_rows,
+    kernel_sequences,
+    selection_is_canonical,
+    unified_query_blocks,
+)
 
 PAGE_ID_16_BITS = 1 << 16
 TOPK_SPAN_TOKENS = 16 * 128  # MiniMax-M3's top-k 16 blocks of 128 tokens
@@ -132,6 +137,34 @@ def _scale(which: str) -> Callable[[Case], Hashable]:
     return value
 
 
+def _query_length_class(case: Case) -> Hashable:
+    longest = max(n for _, n in kernel_sequences(case))
+    if longest <= 8:
+        return str(longest) if longest == 1 else "2..8 (3-D still possible)"
+    return "128" if longest == 128 else "9..127"
+
+
+def _q_descale(case: Case) -> Hashable:
+    if not case.q_scale:
+        return "None"
+    return "1.0" if case.q_scale == 1.0 else ("< 1" if case.q_scale < 1 else "> 1")
+
+
+def _kernel_path(case: Case) -> Hashable:
+    """vLLM 0.33.0's choice for the case (``triton-unified`` checks it on every run)."""
+    if not case.split_k_segments:
+        return "None: 2D"
+    from difftest.backends.triton_unified import kernel_path
+
+    relation = "<=" if unified_query_blocks(case) <= case.seq_threshold_3d else ">"
+    return f"{kernel_path(case)} (query blocks {relation} threshold)"
+
+
+def _scratch(case: Case) -> Hashable:
+    return f"fp32 scratch, {case.split_k_segments} segments" if case.split_k_segments \
+        else "None"
+
+
 def _gluon_output(case: Case) -> Hashable:
     return "bfloat16" if case.is_fp8 else case.query_dtype
 
@@ -147,33 +180,38 @@ NO_SOFTCAP_WINDOW = (f"{M3} has no softcap or window; the kernel modes (cases/mo
 ONE_KV_HEAD = ("vLLM's MiniMax-M3 AITER sparse PA asserts num_kv_heads == 1 per rank, and the "
                "case model holds one KV head (difftest/case.py)")
 TWO_D = ("None: the adapter calls the 2-D kernel (no split-K scratch), as vLLM's MiniMax-M3 "
-         "decode with one query token per sequence")
+         "decode with one query token per sequence; the split-K mode (cases/modes.py) hands "
+         "over scratch so vLLM picks 2-D or 3-D by shape")
 
 UNIFIED_ATTENTION: tuple[Argument, ...] = (
     Argument("q", _query),
     Argument("k", _kv),
     Argument("v", _kv),
     Argument("out", lambda c: c.query_dtype),
-    Argument("cu_seqlens_q", lambda c: f"{c.total_q} rows"),
-    _fixed("max_seqlen_q", "1", "each query row is its own length-1 sequence over its sparse "
-           "table (the decode rows of MTP too)"),
+    Argument("cu_seqlens_q", lambda c: f"{len(kernel_sequences(c))} sequences"),
+    Argument("max_seqlen_q", _query_length_class, fixed="each query row is its own length-1 "
+             "sequence over its sparse table (the decode rows of MTP too); the query_lens "
+             "mode passes a request as one causal sequence", fixed_value="1"),
     Argument("seqused_k", _context_classes),
     Argument("max_seqlen_k", lambda c: c.topk * c.block_size),
     Argument("softmax_scale", lambda c: c.softmax_scale),
     _fixed("causal", "True", "the sparse table already ends each row at its own token; "
-           "causal over a length-1 query masks nothing more"),
+           "causal over a length-1 query masks nothing more, over a query_lens sequence it "
+           "is the causal mask within the request"),
     Argument("window_size", lambda c: (c.sliding_window - 1, 0) if c.sliding_window
              else (-1, -1), fixed=NO_SOFTCAP_WINDOW, fixed_value="(-1, -1)"),
     Argument("block_table", _page_classes),
     Argument("softcap", lambda c: c.softcap, fixed=NO_SOFTCAP_WINDOW, fixed_value="0"),
-    _fixed("q_descale", "None", f"{M3} keeps queries in bf16/fp16 (no query quantisation)"),
+    Argument("q_descale", _q_descale, fixed=f"{M3} keeps queries in bf16/fp16 (no query "
+             "quantisation); the q_scale mode stores them in fp8", fixed_value="None"),
     Argument("k_descale", _scale("k_scale")),
     Argument("v_descale", _scale("v_scale")),
-    _fixed("seq_threshold_3D", "None", TWO_D),
-    _fixed("num_par_softmax_segments", "None", TWO_D),
-    _fixed("softmax_segm_output", "None", TWO_D),
-    _fixed("softmax_segm_max", "None", TWO_D),
-    _fixed("softmax_segm_expsum", "None", TWO_D),
+    Argument("seq_threshold_3D", _kernel_path, fixed=TWO_D, fixed_value="None"),
+    Argument("num_par_softmax_segments", lambda c: c.split_k_segments or "None", fixed=TWO_D,
+             fixed_value="None"),
+    Argument("softmax_segm_output", _scratch, fixed=TWO_D, fixed_value="None"),
+    Argument("softmax_segm_max", _scratch, fixed=TWO_D, fixed_value="None"),
+    Argument("softmax_segm_expsum", _scratch, fixed=TWO_D, fixed_value="None"),
     _fixed("alibi_slopes", "None", f"{M3} has no ALiBi"),
     _fixed("output_scale", "None", f"{M3} writes a bf16/fp16 output, not fp8"),
     _fixed("qq_bias", "None", f"{M3} has no query-query bias"),

@@ -6,6 +6,7 @@ A case holds only numbers and names. Every tensor is generated from it (see
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -28,13 +29,22 @@ MAX_SEQ_LEN = 1 << 20
 MAX_TOPK = 64
 MAX_Q_HEADS = 64
 MAX_DECODE_QUERY_LEN = 4
+MAX_QUERY_LEN = 128  # a prefill-like request's query tokens (``query_lens``)
+SPLIT_K_SEGMENTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # vLLM: 16 (64 on SM120)
+MAX_SEQ_THRESHOLD_3D = 1 << 20
 MAX_LOGICAL_BLOCK = MAX_SEQ_LEN // BLOCK_SIZE
 SCALE_RANGE = (1e-6, 1e6)
 SOFTCAP_RANGE = (1e-3, 1e4)
 # Kernel-mode fields and their "off" values. A field at its default is left out of the
 # content (and so of the case id and the JSON), so cases written before the field existed
-# keep their ids and load unchanged.
-MODE_DEFAULTS: dict[str, Any] = {"softcap": 0.0, "sliding_window": 0, "canary": False}
+# keep their ids and load unchanged. ``Case.mode_off(field)`` is the case with one mode off
+# (``query_lens`` off also drops the rows it added).
+MODE_DEFAULTS: dict[str, Any] = {"softcap": 0.0, "sliding_window": 0, "canary": False,
+                                 "q_scale": 0.0, "query_lens": (), "split_k_segments": 0,
+                                 "seq_threshold_3d": 0}
+# the modes a backend must run to run the case (canaries change only the data)
+KERNEL_MODE_FIELDS: tuple[str, ...] = ("softcap", "sliding_window", "q_scale", "query_lens",
+                                       "split_k_segments")
 
 
 class CaseError(ValueError):
@@ -68,6 +78,13 @@ class Case:
     context, which is the absolute positions when a row selects all its blocks in order).
     ``canary`` fills every KV slot of an attended block that no row reads (outside every
     row's window, past the written tokens) with NaN instead of data or finite poison.
+    ``q_scale > 0`` stores the query in the KV's fp8 dtype as ``fp8(real / q_scale)``
+    (saturated), so the real query is ``stored * q_scale`` (vLLM's per-tensor q descale);
+    the output stays in ``query_dtype``. ``query_lens`` (one per request, 1..128, with
+    ``decode_query_len`` 1) gives each request its own number of query tokens, request-major
+    rows, the last ``query_lens[r]`` positions of the request: prefill-like rows mixed with
+    decode rows. ``split_k_segments = S`` hands ``unified_attention`` split-K scratch of ``S``
+    segments and ``seq_threshold_3d``, so vLLM chooses its 3-D kernel or the 2-D one by shape.
     """
 
     num_blocks: int
@@ -91,6 +108,10 @@ class Case:
     softcap: float = 0.0
     sliding_window: int = 0
     canary: bool = False
+    q_scale: float = 0.0
+    query_lens: tuple[int, ...] = ()
+    split_k_segments: int = 0
+    seq_threshold_3d: int = 0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -101,7 +122,8 @@ class Case:
         object.__setattr__(
             self, "selections", tuple(tuple(int(b) for b in row) for row in self.selections)
         )
-        for name in ("k_scale", "v_scale", "softmax_scale", "softcap"):
+        object.__setattr__(self, "query_lens", tuple(int(n) for n in self.query_lens))
+        for name in ("k_scale", "v_scale", "softmax_scale", "softcap", "q_scale"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.sliding_window is None:
             object.__setattr__(self, "sliding_window", 0)
@@ -115,8 +137,25 @@ class Case:
 
     @property
     def total_q(self) -> int:
-        """Number of query rows (``batch * decode_query_len``)."""
-        return self.batch * self.decode_query_len
+        """Number of query rows (``batch * decode_query_len``, or ``sum(query_lens)``)."""
+        return sum(self.query_lens) if self.query_lens else self.batch * self.decode_query_len
+
+    def query_len(self, request: int) -> int:
+        """Query tokens (rows) of a request."""
+        return self.query_lens[request] if self.query_lens else self.decode_query_len
+
+    @cached_property
+    def _row_starts(self) -> tuple[int, ...]:
+        starts, at = [], 0
+        for r in range(self.batch):
+            starts.append(at)
+            at += self.query_len(r)
+        return tuple(starts)
+
+    def request_rows(self, request: int) -> range:
+        """The query rows of a request (request-major)."""
+        start = self._row_starts[request]
+        return range(start, start + self.query_len(request))
 
     @property
     def topk(self) -> int:
@@ -156,9 +195,23 @@ class Case:
 
     @property
     def kernel_modes(self) -> tuple[str, ...]:
-        """The kernel modes this case switches on (``"softcap"``, ``"sliding_window"``): a
-        backend that cannot run one must declare the case unsupported."""
-        return tuple(m for m in ("softcap", "sliding_window") if getattr(self, m))
+        """The kernel modes this case switches on (of :data:`KERNEL_MODE_FIELDS`: softcap,
+        sliding window, fp8 queries, query lengths, split-K): a backend that cannot run one
+        must declare the case unsupported."""
+        return tuple(m for m in KERNEL_MODE_FIELDS if getattr(self, m) != MODE_DEFAULTS[m])
+
+    def mode_off(self, mode: str) -> Case:
+        """This case with one kernel-mode field at its default. ``query_lens`` off keeps each
+        request's last query row (its decode token), so the selections stay row for row;
+        ``split_k_segments`` off also clears ``seq_threshold_3d``."""
+        if mode not in MODE_DEFAULTS:
+            raise CaseError("mode", f"= {mode!r}", ", ".join(MODE_DEFAULTS))
+        if mode == "query_lens" and self.query_lens:
+            rows = tuple(self.selections[self.request_rows(r)[-1]] for r in range(self.batch))
+            return self.replace(query_lens=(), decode_query_len=1, selections=rows)
+        if mode == "split_k_segments":
+            return self.replace(split_k_segments=0, seq_threshold_3d=0)
+        return self.replace(**{mode: MODE_DEFAULTS[mode]})
 
     @cached_property
     def case_id(self) -> str:
@@ -168,12 +221,18 @@ class Case:
 
     def request_of_row(self, row: int) -> int:
         """The request a query row belongs to."""
-        return row // self.decode_query_len
+        if not self.query_lens:
+            return row // self.decode_query_len
+        return bisect.bisect_right(self._row_starts, row) - 1
+
+    def query_token(self, row: int) -> int:
+        """Which of its request's query tokens a row is (0 = the earliest)."""
+        return row - self._row_starts[self.request_of_row(row)]
 
     def abs_pos(self, row: int) -> int:
         """Absolute position of a query row's token (negative for padded requests)."""
         req = self.request_of_row(row)
-        return self.seq_lens[req] - self.decode_query_len + row % self.decode_query_len
+        return self.seq_lens[req] - self.query_len(req) + self.query_token(row)
 
     # ----- serialisation ----------------------------------------------------------------
     def _content(self) -> dict[str, Any]:
@@ -182,6 +241,8 @@ class Case:
         for mode, off in MODE_DEFAULTS.items():
             if data[mode] == off:
                 data.pop(mode)
+        if "query_lens" in data:
+            data["query_lens"] = list(self.query_lens)
         data["seq_lens"] = list(self.seq_lens)
         data["block_tables"] = [list(r) for r in self.block_tables]
         data["selections"] = [list(r) for r in self.selections]
@@ -268,6 +329,7 @@ def validate(case: Case) -> None:
         raise CaseError("sliding_window", f"= {window!r}", f"0 (off) or integer 1..{MAX_SEQ_LEN}")
     if not isinstance(case.canary, bool):
         raise CaseError("canary", f"= {case.canary!r}", "true or false")
+    _validate_new_modes(case)
     if not 1 <= case.batch <= MAX_BATCH:
         raise CaseError("seq_lens", f"has {case.batch} requests", f"1..{MAX_BATCH} requests")
     if len(case.block_tables) != case.batch:
@@ -276,7 +338,7 @@ def validate(case: Case) -> None:
     owner: dict[int, tuple[int, int]] = {}
     for r, (seq_len, table) in enumerate(zip(case.seq_lens, case.block_tables, strict=True)):
         if seq_len != 0:
-            _check_int(f"seq_lens[{r}]", seq_len, case.decode_query_len, MAX_SEQ_LEN)
+            _check_int(f"seq_lens[{r}]", seq_len, case.query_len(r), MAX_SEQ_LEN)
         needed = cdiv(seq_len, case.block_size)
         if len(table) != needed:
             raise CaseError(f"block_tables[{r}]", f"has {len(table)} blocks for seq_len {seq_len}",
@@ -292,8 +354,9 @@ def validate(case: Case) -> None:
                                 "each physical block holds one logical block")
             owner[pb] = (r, lb)
     if len(case.selections) != case.total_q:
+        rows = "sum(query_lens)" if case.query_lens else "batch * decode_query_len"
         raise CaseError("selections", f"has {len(case.selections)} rows",
-                        f"batch * decode_query_len = {case.total_q}")
+                        f"{rows} = {case.total_q}")
     topk = len(case.selections[0])
     if not 1 <= topk <= MAX_TOPK:
         raise CaseError("selections[0]", f"has {topk} lanes", f"1..{MAX_TOPK} lanes (top-k)")
@@ -308,3 +371,36 @@ def validate(case: Case) -> None:
     if case.max_page_id >= case.v_view_pages:
         raise CaseError("num_blocks", f"gives page id {case.max_page_id} beyond the V view "
                         f"({case.v_view_pages} pages)", "page ids below the V view length")
+
+
+def _validate_new_modes(case: Case) -> None:
+    """fp8 queries, query lengths and split-K (their fields' ranges; the rows come later)."""
+    q_scale = case.q_scale
+    if q_scale != 0.0:
+        low, high = SCALE_RANGE
+        if not (math.isfinite(q_scale) and low <= q_scale <= high):
+            raise CaseError("q_scale", f"= {q_scale!r}", f"0 (off) or finite {low:g}..{high:g}")
+        if not case.is_fp8:
+            raise CaseError("q_scale", f"= {q_scale!r} with kv_dtype {case.kv_dtype}",
+                            "0 (off): fp8 queries are stored in the KV's fp8 dtype, so they "
+                            "need an fp8 kv_dtype")
+    if case.query_lens:
+        if case.decode_query_len != 1:
+            raise CaseError("decode_query_len", f"= {case.decode_query_len} with query_lens",
+                            "1 (query_lens gives every request's query length)")
+        if len(case.query_lens) != case.batch:
+            raise CaseError("query_lens", f"has {len(case.query_lens)} entries",
+                            f"one per request ({case.batch}), or none")
+        for r, n in enumerate(case.query_lens):
+            _check_int(f"query_lens[{r}]", n, 1, MAX_QUERY_LEN)
+    segments = case.split_k_segments
+    if segments != 0 and (isinstance(segments, bool) or segments not in SPLIT_K_SEGMENTS):
+        raise CaseError("split_k_segments", f"= {segments!r}",
+                        f"0 (off: no split-K scratch) or one of "
+                        f"{', '.join(map(str, SPLIT_K_SEGMENTS))}")
+    threshold = case.seq_threshold_3d
+    if segments == 0 and threshold != 0:
+        raise CaseError("seq_threshold_3d", f"= {threshold!r} with split_k_segments 0",
+                        "0 (the threshold belongs to split-K scratch)")
+    if segments:
+        _check_int("seq_threshold_3d", threshold, 0, MAX_SEQ_THRESHOLD_3D)

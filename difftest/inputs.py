@@ -50,6 +50,9 @@ class Segments:
 class CaseData:
     """Stored (quantised) tensors of a case, on the device they were generated on.
 
+    ``query`` is the real query in ``query_dtype``; with fp8 queries (``case.q_scale``) it
+    is ``stored * q_scale`` in float64, exactly (``query / q_scale`` gives the stored fp8
+    values back exactly).
     ``k_stored``/``v_stored`` are ``[num_attended, block_size, num_kv_heads, head_dim]`` in the
     KV dtype, one entry per attended physical block, in ascending physical id order;
     ``slot_of`` maps a physical block id to its entry.
@@ -137,9 +140,11 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
     k_real = _draw(case.seed, _KEY, block_ids, per_block, case.distribution).view(shape)
     v_real = _draw(case.seed, _VALUE, block_ids, per_block, case.distribution).view(shape)
     physical = tuple(blocks.tolist())
+    query = query.view(case.total_q, case.num_q_heads, case.head_dim)
+    if case.q_scale:  # fp8 queries: the real query stored * q_scale, exact in float64
+        query = quantize(query, case.kv_dtype, case.q_scale).to(torch.float64) * case.q_scale
     return CaseData(
-        query=query.view(case.total_q, case.num_q_heads, case.head_dim)
-        .to(torch_dtype(case.query_dtype)),
+        query=query if case.q_scale else query.to(torch_dtype(case.query_dtype)),
         k_stored=quantize(k_real, case.kv_dtype, case.k_scale),
         v_stored=quantize(v_real, case.kv_dtype, case.v_scale),
         physical_blocks=physical,

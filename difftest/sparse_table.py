@@ -1,11 +1,19 @@
 """The framework's own sparse page-table builder: the reference semantics of a selection.
 
-Per query row (one program per row in vLLM's ``_build_sparse_block_table_kernel``): a lane is
-valid iff its logical block is ``0 <= blk <= self_blk`` and the row's causal length is positive.
-Valid blocks before the row's own block are *full* blocks, compacted in top-k order; every lane
-that selects the row's own block is the *tail*, placed once after the full blocks and truncated
-at the causal limit. Page ids are ``block_table[blk] * block_page_stride + j`` for ``j < 8``;
-the rest of the row is zero. Duplicated full blocks are attended once per copy.
+Declared semantics of a selection row (the reference's; docs/kernel-modes.md). Per query row
+(one program per row in vLLM's ``_build_sparse_block_table_kernel``, the table MiniMax-M3's
+AITER path reads): **every** lane is scanned, and a lane is valid iff its logical block is
+``0 <= blk <= self_blk`` and the row's causal length is positive. ``-1`` lanes are ignored
+wherever they sit (before valid lanes too), and so are blocks past the causal limit. Valid
+blocks before the row's own block are *full* blocks, compacted in top-k order, a duplicated
+full block attended once per copy; every lane that selects the row's own block is the
+*tail*, placed once after the full blocks and truncated at the causal limit. Page ids are
+``block_table[blk] * block_page_stride + j`` for ``j < 8``; the rest of the row is zero.
+
+:func:`portable_decode_rows` is how vLLM's portable Triton decode
+(``minimax_m3_sparse_attn_decode``) reads the same lanes instead: only the first
+``min(topk, self_blk + 1)`` lanes, every valid copy counted, the tail's too (finding F4);
+:func:`portable_reading_differs` says whether that changes what some row attends.
 """
 
 from __future__ import annotations
@@ -95,3 +103,73 @@ def selection_is_canonical(case: Case) -> bool:
         if list(lanes[: len(valid)]) != valid:
             return False
     return True
+
+
+def rows_are_dense(case: Case, request: int) -> bool:
+    """Whether every query row of ``request`` selects exactly its causal blocks ``0..self``
+    in order (then ``-1``): the rows then share one causal sequence, the request's own."""
+    for n in case.request_rows(request):
+        abs_pos = case.abs_pos(n)
+        if abs_pos < 0:
+            return False
+        own = abs_pos // case.block_size + 1
+        lanes = case.selections[n]
+        if list(lanes[:own]) != list(range(own)) or any(b != -1 for b in lanes[own:]):
+            return False
+    return True
+
+
+def _attended(case: Case, row: SparseRow) -> list[tuple[int, int]]:
+    return sorted((seg.block, seg.tokens) for seg in row.segments)
+
+
+def portable_decode_rows(case: Case) -> tuple[SparseRow, ...]:
+    """Every row as ``minimax_m3_sparse_attn_decode`` reads its lanes: the first
+    ``min(topk, self_blk + 1)`` lanes only, each lane with ``0 <= blk <= self_blk`` one
+    segment (a duplicate, the tail included, counted per copy), the tail truncated at the
+    causal limit. The order of segments is lane order (attention does not depend on it)."""
+    rows = []
+    for n, lanes in enumerate(case.selections):
+        req = case.request_of_row(n)
+        abs_pos = case.abs_pos(n)
+        causal_len = max(abs_pos + 1, 0)
+        own = -(-causal_len // case.block_size)
+        table = case.block_tables[req]
+        segments = tuple(
+            Segment(b, table[b], min(case.block_size, causal_len - b * case.block_size))
+            for b in lanes[: min(case.topk, own)] if 0 <= b < own)
+        rows.append(SparseRow(req, abs_pos, segments))
+    return tuple(rows)
+
+
+def portable_reading_differs(case: Case) -> list[int]:
+    """The rows whose attended tokens differ between the declared semantics
+    (:func:`build_rows`) and :func:`portable_decode_rows` (as multisets of segments)."""
+    return [n for n, (ours, theirs) in enumerate(zip(build_rows(case),
+                                                     portable_decode_rows(case), strict=True))
+            if _attended(case, ours) != _attended(case, theirs)]
+
+
+def kernel_sequences(case: Case) -> list[tuple[int, int]]:
+    """``(first row, query tokens)`` of every sequence ``triton-unified`` passes to
+    ``unified_attention``: with ``query_lens``, a request of several rows that all select
+    their causal blocks in order (:func:`rows_are_dense`) is one sequence, causal within it;
+    every other row is a sequence of its own over its sparse table row."""
+    out = []
+    for r in range(case.batch):
+        rows = case.request_rows(r)
+        if case.query_lens and len(rows) > 1 and rows_are_dense(case, r):
+            out.append((rows.start, len(rows)))
+        else:
+            out.extend((n, 1) for n in rows)
+    return out
+
+
+def unified_query_blocks(case: Case) -> int:
+    """vLLM 0.33.0's ``num_seqs * cdiv(max_seqlen_q, BLOCK_Q)`` for :func:`kernel_sequences`
+    (one KV head: ``BLOCK_M = max(16, next_pow2(Hq))``, ``BLOCK_Q = BLOCK_M // Hq``), which
+    ``unified_attention`` compares with ``seq_threshold_3D``."""
+    seqs = kernel_sequences(case)
+    block_m = 16 if case.num_q_heads <= 16 else 1 << (case.num_q_heads - 1).bit_length()
+    block_q = block_m // case.num_q_heads
+    return len(seqs) * -(-max(n for _, n in seqs) // block_q)

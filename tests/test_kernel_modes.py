@@ -1,26 +1,45 @@
-"""Kernel modes (logit softcap, sliding window) and NaN canaries: fields, reference, cache,
-adapters and their draws."""
+"""Kernel modes (logit softcap, sliding window, fp8 queries, prefill-like query lengths,
+split-K) and NaN canaries: fields, reference, cache, adapters and their draws; and the
+declared semantics of irregular selections on ``vllm-triton-sparse``."""
 
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
+from difftest.backends import triton_unified
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
-from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.backends.vllm_triton_sparse import VllmTritonSparse
+from difftest.backends.triton_unified import (
+    INTERPRETER_FP8_QUERY_FINDING,
+    TritonUnifiedAttention,
+    kernel_path,
+)
+from difftest.backends.vllm_release import release_root
+from difftest.backends.vllm_triton_sparse import IRREGULAR_FINDING, VllmTritonSparse
+from difftest.cases.generate import generated_cases
 from difftest.cases.modes import with_kernel_modes
+from difftest.cases.strategies import cases
 from hypothesis import HealthCheck, find, settings
 from hypothesis import strategies as st
 
+from difftest.audit import audit
 from difftest.backend import RunInputs
-from difftest.case import Case, CaseError
+from difftest.case import MODE_DEFAULTS, Case, CaseError
 from difftest.runner import Status, run_case
+from difftest.sparse_table import kernel_sequences, portable_reading_differs
 
 BASE = Case(num_blocks=8, seq_lens=(300,), block_tables=((5, 2, 7),), selections=((0, 1, 2),),
             num_q_heads=2, seed=11)
+# a prefill-like request of 20 query tokens (positions 280..299, dense causal rows) and a
+# decode request of one token
+PREFILL = Case(num_blocks=8, seq_lens=(300, 40), block_tables=((5, 2, 7), (1,)),
+               selections=((0, 1, 2),) * 20 + ((0, -1, -1),), query_lens=(20, 1),
+               num_q_heads=2, seed=3)
+FP8 = BASE.replace(kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0)
 
 
 def reference_output(case: Case) -> torch.Tensor:
@@ -36,6 +55,11 @@ def test_fields_at_their_off_values_keep_old_ids_and_json() -> None:
     assert Case.from_json(moded.to_json()) == moded
     assert moded.kernel_modes == ("softcap", "sliding_window")
     assert BASE.replace(canary=True).kernel_modes == ()
+    every = PREFILL.replace(kv_dtype="float8_e4m3fn", q_scale=0.5, split_k_segments=16,
+                            seq_threshold_3d=3)
+    assert set(MODE_DEFAULTS) - {"softcap", "sliding_window", "canary"} <= set(every.to_dict())
+    assert every.kernel_modes == ("q_scale", "query_lens", "split_k_segments")
+    assert Case.from_json(every.to_json()) == every
 
 
 @pytest.mark.parametrize(
@@ -47,6 +71,21 @@ def test_fields_at_their_off_values_keep_old_ids_and_json() -> None:
         ({"sliding_window": -1}, "sliding_window", "0 (off) or integer 1..1048576"),
         ({"sliding_window": True}, "sliding_window", "0 (off) or integer 1..1048576"),
         ({"canary": "yes"}, "canary", "true or false"),
+        ({"q_scale": -1.0}, "q_scale", "0 (off) or finite 1e-06..1e+06"),
+        ({"q_scale": 0.5}, "q_scale", "0 (off): fp8 queries are stored in the KV's fp8 dtype, "
+         "so they need an fp8 kv_dtype"),
+        ({"query_lens": (1, 1)}, "query_lens", "one per request (1), or none"),
+        ({"query_lens": (129,), "selections": ((0, 1, 2),) * 129}, "query_lens[0]",
+         "integer 1..128"),
+        ({"query_lens": (2,), "decode_query_len": 2, "selections": ((0, 1, 2),) * 2},
+         "decode_query_len", "1 (query_lens gives every request's query length)"),
+        ({"query_lens": (2,)}, "selections", "sum(query_lens) = 2"),
+        ({"split_k_segments": 3}, "split_k_segments",
+         "0 (off: no split-K scratch) or one of 1, 2, 4, 8, 16, 32, 64"),
+        ({"seq_threshold_3d": 4}, "seq_threshold_3d",
+         "0 (the threshold belongs to split-K scratch)"),
+        ({"split_k_segments": 16, "seq_threshold_3d": -1}, "seq_threshold_3d",
+         "integer 0..1048576"),
     ],
 )
 def test_bad_mode_fields_name_field_and_range(changes, field, allowed) -> None:
@@ -130,3 +169,170 @@ def test_mode_draws_reach_the_boundaries() -> None:
     mid_tile = find(drawn, lambda c: c.sliding_window and (300 - c.sliding_window) % 16 == 1
                     and c.canary and not c.softcap, settings=quick)
     assert mid_tile.canary
+
+
+def test_query_lens_rows_positions_and_off_switch() -> None:
+    """Rows are request-major, the last ``query_lens[r]`` positions of each request; the
+    request of 20 dense rows is one causal kernel sequence, the decode row its own; a mode
+    off keeps each request's last row."""
+    assert PREFILL.total_q == 21
+    assert [PREFILL.abs_pos(n) for n in (0, 19, 20)] == [280, 299, 39]
+    assert [PREFILL.request_of_row(n) for n in (0, 19, 20)] == [0, 0, 1]
+    assert PREFILL.query_token(19) == 19 and PREFILL.query_token(20) == 0
+    assert kernel_sequences(PREFILL) == [(0, 20), (20, 1)]
+    sparse = PREFILL.replace(selections=((0, 2),) * 20 + ((0, -1),))  # not dense: one per row
+    assert len(kernel_sequences(sparse)) == 21
+    decode = PREFILL.mode_off("query_lens")
+    assert decode.total_q == 2 and decode.selections == (PREFILL.selections[19],
+                                                          PREFILL.selections[20])
+    assert decode.mode_off("softcap") == decode
+    three_d = BASE.replace(split_k_segments=16, seq_threshold_3d=1)
+    assert three_d.mode_off("split_k_segments") == BASE
+
+
+def test_fp8_queries_are_stored_exactly_and_saturate() -> None:
+    """The real query is ``stored * q_scale`` exactly; 1e-3 pushes every normal value past
+    0.448 (65% of them) to the fp8 maximum, 448."""
+    for q_scale in (1e-3, 0.37, 100.0):
+        case = FP8.replace(q_scale=q_scale)
+        query = RunInputs(case, torch.device("cpu")).data.query
+        stored = (query / q_scale).to(torch.float8_e4m3fn)
+        assert query.dtype == torch.float64
+        assert torch.equal(stored.to(torch.float64) * q_scale, query)
+    saturated = (RunInputs(FP8.replace(q_scale=1e-3), torch.device("cpu")).data.query / 1e-3)
+    assert (saturated.abs() == 448).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("case", [
+    FP8.replace(q_scale=0.01),
+    FP8.replace(q_scale=1e-3, softcap=30.0),
+    FP8.replace(q_scale=100.0, kv_layout="LHBNC"),
+    PREFILL,
+    PREFILL.replace(sliding_window=7, canary=True),  # the window inside the prefill rows
+    BASE.replace(split_k_segments=16, seq_threshold_3d=1),  # 3-D
+    BASE.replace(split_k_segments=16, seq_threshold_3d=0),  # scratch, 2-D by shape
+    PREFILL.replace(query_lens=(5, 1), selections=((0, 1, 2),) * 5 + ((0, -1, -1),),
+                    split_k_segments=4, seq_threshold_3d=64),  # prefill rows in 3-D
+], ids=["fp8q", "fp8q-softcap", "fp8q-100-lhbnc", "prefill", "prefill-window", "3d",
+        "2d-scratch", "prefill-3d"])
+def test_triton_unified_agrees_in_the_new_modes(case: Case, device_name: str) -> None:
+    """(fp8 queries forced through the interpreter: these cases keep every weight above the
+    float32 subnormals that F12 is about.)"""
+    backend = TritonUnifiedAttention(allow_interpreter_fp8_query=True)
+    result = run_case(case, TorchReference(), [backend], torch.device(device_name))
+    assert result.results[0].status is Status.AGREE, result.results[0].detail
+
+
+def test_both_kernel_paths_are_reached_and_checked(monkeypatch) -> None:
+    """vLLM picks 3-D at or below the threshold; the adapter checks the scratch: a path
+    other than the one the rule names is an error that names both."""
+    at = BASE.replace(split_k_segments=16, seq_threshold_3d=1)
+    assert (kernel_path(at), kernel_path(at.replace(seq_threshold_3d=0))) == ("3D", "2D")
+    monkeypatch.setattr(triton_unified, "kernel_path", lambda case, old_rule=False: "2D")
+    result = run_case(at, TorchReference(), [TritonUnifiedAttention()], torch.device("cpu"))
+    assert result.results[0].status is Status.ERROR
+    assert "ran its 3D kernel where vLLM's rule says 2D" in result.results[0].detail
+
+
+def test_backends_without_the_new_modes_refuse_them_by_name() -> None:
+    cpu = torch.device("cpu")
+    for backend in (VllmTritonSparse(), AiterGluon(emulated=True)):
+        for case, mode in ((FP8.replace(q_scale=0.5), "q_scale"), (PREFILL, "query_lens"),
+                           (BASE.replace(split_k_segments=16), "split_k_segments")):
+            reason = backend.unsupported_reason(case, cpu)
+            assert reason is not None and mode in reason, (backend.name, reason)
+    forced = TritonUnifiedAttention(allow_interpreter_fp8_query=True)
+    fnuz = FP8.replace(kv_dtype="float8_e4m3fnuz", q_scale=0.5)
+    assert "platform's fp8 dtype, float8_e4m3fn" in str(forced.unsupported_reason(fnuz, cpu))
+    old = TritonUnifiedAttention(vllm="0.14.0", allow_interpreter_fp8_query=True) \
+        if Path(release_root(), "0.14.0").is_dir() else None
+    if old is not None:
+        reason = old.unsupported_reason(FP8.replace(q_scale=0.5), cpu)
+        assert reason is not None and "asserts q_descale is None" in reason
+
+
+def test_default_strategy_draws_every_mode_at_its_boundaries() -> None:
+    """60 default cases (small): each mode on in some, fp8 queries only on fp8 KV, prefill
+    requests of several dense rows, and split-K reaching both kernels."""
+    drawn = generated_cases(60, 0, cases(max_batch=2, max_topk=4, max_blocks=160))
+    modes = {m for c in drawn for m in c.kernel_modes}
+    assert modes == {"softcap", "sliding_window", "q_scale", "query_lens", "split_k_segments"}
+    assert all(c.is_fp8 for c in drawn if c.q_scale)
+    assert any(n > 1 for c in drawn if c.query_lens for _, n in kernel_sequences(c))
+    paths = {kernel_path(c) for c in drawn if c.split_k_segments}
+    assert paths == {"2D", "3D"}
+    assert any(0 < c.softcap <= 0.01 for c in drawn) and any(c.canary for c in drawn)
+
+
+def test_audit_shows_the_new_modes_varying_on_triton_unified() -> None:
+    drawn = generated_cases(60, 0, cases(max_batch=2, max_topk=4, max_blocks=160))
+    values = {c.argument.name: set(map(str, c.values))
+              for c in audit(drawn, ["triton-unified"])}
+    assert {"None", "< 1"} <= values["q_descale"] or {"None", "> 1"} <= values["q_descale"]
+    assert "None: 2D" in values["seq_threshold_3D"]
+    assert any(v.startswith("3D") for v in values["seq_threshold_3D"])
+    assert any(v.startswith("2D") for v in values["seq_threshold_3D"])
+    assert "1" in values["max_seqlen_q"] and len(values["max_seqlen_q"]) >= 2
+
+
+SEQ = 300  # three logical blocks: 0 and 1 full, 2 the 44-token tail
+
+
+@pytest.mark.parametrize(("selection", "differs"), [
+    ((0, 5, 2, -1), False),  # a future block inside the scanned lanes: dropped by both
+    ((1, 1, 2, -1), False),  # a duplicated full block: once per copy in both
+    ((-1, 0, 2, -1), False),  # a -1 before valid lanes that still sit in the scanned ones
+    ((0, 2, 2, -1), True),  # a duplicated tail: twice in the kernel (F4)
+    ((0, -1, -1, 2), True),  # block 2 in lane 3, past the 3 lanes the kernel scans (F4)
+])
+def test_irregular_selections_are_judged_where_the_kernel_reads_them_as_declared(
+        selection: tuple[int, ...], differs: bool, device_name: str) -> None:
+    """``vllm-triton-sparse`` runs a non-canonical selection and is judged against the
+    declared semantics unless its reading of the lanes is known to differ (then it is
+    unsupported by default, and ``irregular=accept`` shows the disagreement)."""
+    case = Case(num_blocks=64, seq_lens=(SEQ,), block_tables=((9, 40, 63),),
+                selections=(selection,), seed=21)
+    assert bool(portable_reading_differs(case)) is differs
+    device = torch.device(device_name)
+    plain, accept = run_case(case, TorchReference(), [
+        VllmTritonSparse(), VllmTritonSparse({"irregular": "accept"})], device).results
+    if differs:
+        assert plain.status is Status.UNSUPPORTED and plain.detail == IRREGULAR_FINDING
+        assert accept.status is Status.DISAGREE
+    else:
+        assert plain.status is Status.AGREE and accept.status is Status.AGREE, plain.detail
+
+
+# vLLM 0.33.0's fp8-query path on the interpreter: logits spread over ~300 nats (outliers,
+# softmax scale 0.5), so P * 256 of the smallest weights is a float32 subnormal
+F12_CASE = Case(num_blocks=8, seq_lens=(33,), block_tables=((7,),), selections=((0,),),
+                distribution="outliers", kv_dtype="float8_e4m3fn", k_scale=12.589254117942,
+                v_scale=10.0, num_q_heads=16, q_scale=100.0, seed=60136497, softmax_scale=0.5)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="a finding about Triton's CPU interpreter")
+def test_f12_interpreter_turns_fp32_subnormals_into_fp8_values() -> None:
+    """F12: Triton's interpreter casts float32 subnormals to nonzero e4m3 (torch gives 0);
+    the fp8-query kernel then gives weights of ~1e-40 a weight of ~1e-5 and disagrees, so
+    ``triton-unified`` refuses fp8 queries on the CPU."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, n: tl.constexpr) -> None:
+        x = tl.load(x_ptr + tl.arange(0, n))
+        tl.store(y_ptr + tl.arange(0, n), x.to(tl.float8e4nv))
+
+    x = torch.tensor([1e-39, 1e-40, 1e-44, 1e-30], dtype=torch.float32)
+    y = torch.empty(4, dtype=torch.float8_e4m3fn)
+    cast[(1,)](x, y, 4)
+    assert (y.float()[:3] > 0).all() and y.float()[3] == 0
+    assert (x.to(torch.float8_e4m3fn).float() == 0).all()
+    cpu = torch.device("cpu")
+    forced = TritonUnifiedAttention(allow_interpreter_fp8_query=True)
+    result = run_case(F12_CASE, TorchReference(), [forced, TritonUnifiedAttention()], cpu)
+    assert result.results[0].status is Status.DISAGREE
+    assert result.results[0].comparison.mismatched <= 4  # a few near-zero outputs only
+    assert result.results[1].status is Status.UNSUPPORTED
+    assert result.results[1].detail == INTERPRETER_FP8_QUERY_FINDING

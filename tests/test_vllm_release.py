@@ -17,7 +17,10 @@ from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_release import ReleaseError, resolve
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
+from difftest.cases.capabilities import Capabilities
+from difftest.cases.generate import generated_cases
 
+from benchmarks.history import KNOWN_BUGS, known_bugs
 from difftest.case import Case
 from difftest.registry import RegistryError, select
 from difftest.runner import Status, run_case
@@ -139,3 +142,21 @@ def test_releases_before_kv_quant_mode_refuse_mixed_dtypes() -> None:
     reason = old.unsupported_reason(CASE.replace(query_dtype="float32"), torch.device("cpu"))
     assert reason is not None and "has no kv_quant_mode" in reason
     assert old.unsupported_reason(CASE, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("bug", KNOWN_BUGS, ids=[b.name for b in KNOWN_BUGS])
+def test_the_default_strategy_reaches_each_historical_bug_within_50_examples(
+        bug, device_name) -> None:
+    """The 50 cases ``difftest run --backends triton-unified[vllm=<buggy>] --examples 50``
+    draws (in this process: F11) hold a case that only this bug explains; the buggy release
+    disagrees on the first one, the fixed release and the venv's vLLM agree."""
+    device = torch.device(device_name)
+    buggy, fixed = _release(bug.buggy), _release(bug.fixed)
+    drawn = generated_cases(50, 0, Capabilities.probe([buggy], device).strategy())
+    first = next((c for c in drawn if known_bugs(bug.buggy, c) == [bug.name]
+                  and buggy.unsupported_reason(c, device) is None), None)
+    assert first is not None, f"no case of the 50 needs {bug.name}"
+    result = run_case(first, TorchReference(), [buggy, fixed, TritonUnifiedAttention()], device)
+    statuses = [r.status for r in result.results]
+    assert statuses[0] is Status.DISAGREE, result.results[0].detail
+    assert statuses[1:] == [Status.AGREE, Status.AGREE], [r.detail for r in result.results]
