@@ -34,8 +34,9 @@ DEFAULT_BACKENDS = ("triton-unified", "vllm-triton-sparse", "aiter-gluon@emulate
 CHUNKS_PER_WORKER = 8
 
 
-def _prepare_worker(device: str) -> None:
+def _prepare_worker(device: str, workers: int) -> None:
     devices.prepare_runtime(device)
+    devices.share_cpu_threads(workers)
 
 
 def _run_chunk(runs: list[tuple[str, tuple[str, ...]]], names: tuple[str, ...],
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context,
                                                 initializer=_prepare_worker,
-                                                initargs=(device,)) as pool:
+                                                initargs=(device, args.workers)) as pool:
         futures = [pool.submit(_run_chunk, runs[i: i + chunk], names, device)
                    for i in range(0, len(runs), chunk)]
         records = [r for f in futures for r in f.result()]

@@ -298,6 +298,8 @@ class DifftestRun:
     def session(self) -> Session:
         """This process's session, created on first use and logged."""
         if self._session is None:
+            if self.role == "worker":
+                devices.share_cpu_threads(int(self.config.workerinput["workercount"]))  # type: ignore[attr-defined]
             names = self.config.getoption("--difftest-backends")
             self._session = Session.create(
                 backend_names=None if names is None else split_names(names),

@@ -46,3 +46,15 @@ def prepare_runtime(device: str) -> None:
 def interpreted() -> bool:
     """Whether Triton kernels run in the interpreter in this process."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def share_cpu_threads(processes: int) -> int:
+    """Give this process its share of the CPU cores for torch's intra-op threads, when
+    ``processes`` processes run side by side (xdist workers, benchmark workers): two torch
+    threads per worker on a 2-core runner oversubscribe it. An explicit ``OMP_NUM_THREADS``
+    wins. Returns the thread count in use."""
+    import torch
+
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, processes)))
+    return torch.get_num_threads()
