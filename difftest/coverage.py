@@ -12,32 +12,49 @@ from typing import Any
 
 from difftest.case import Case
 from difftest.records import NOT_RUN, CaseRecord, Status
-from difftest.sparse_table import build_rows, row_page_ids
+from difftest.sparse_table import SparseRow, build_rows
 
 PAGE_ID_2_16 = 1 << 16
 
 
-def case_features(case: Case) -> dict[str, Any]:
+def case_features(case: Case, rows: tuple[SparseRow, ...] | None = None) -> dict[str, Any]:
     """Boundary features of a case, as the report records them
-    (:data:`difftest.records.FEATURE_TYPES` lists them with their types)."""
-    rows = build_rows(case)
-    pages = [p for row in rows for p in row_page_ids(case, row)]
-    tails = [seg.tokens for row in rows for seg in row.segments[-1:]]
-    last_block = case.num_blocks - 1
+    (:data:`difftest.records.FEATURE_TYPES` lists them with their types).
+
+    ``rows``: the case's :func:`difftest.sparse_table.build_rows`, when the caller has them.
+    Page ids are counted per segment (a segment reads the consecutive pages
+    ``base .. base + n - 1``, :func:`difftest.sparse_table.row_page_ids`) rather than listed:
+    a production case reads 16384 pages.
+    """
+    rows = build_rows(case) if rows is None else rows
+    last_block, stride = case.num_blocks - 1, case.block_page_stride
+    max_page, past_2_16, has_2039, last_attended, block_0, one_token_tail = (
+        -1, 0, False, False, False, False)
+    for row in rows:
+        for seg in row.segments:
+            last_attended = last_attended or seg.physical_block == last_block
+            block_0 = block_0 or seg.physical_block == 0
+            n = -(-seg.tokens // case.page_size)
+            if n <= 0:
+                continue
+            base = seg.physical_block * stride
+            max_page = max(max_page, base + n - 1)
+            past_2_16 += max(0, min(n, base + n - PAGE_ID_2_16))
+            has_2039 = has_2039 or base <= 2039 < base + n
+        one_token_tail = one_token_tail or (bool(row.segments) and row.segments[-1].tokens == 1)
     return {
         "query_dtype": case.query_dtype,
         "kv_dtype": case.kv_dtype,
         "kv_layout": case.kv_layout,
         "decode_query_len": case.decode_query_len,
         "num_blocks": case.num_blocks,
-        "max_page_id": max(pages, default=-1),
+        "max_page_id": max_page,
         "context_lens": [row.context_len for row in rows],
-        "last_block_attended": any(seg.physical_block == last_block
-                                   for row in rows for seg in row.segments),
-        "block_0_attended": any(seg.physical_block == 0 for row in rows for seg in row.segments),
-        "page_ids_past_2_16": sum(p >= PAGE_ID_2_16 for p in pages),
-        "report_boundary_2039": case.num_blocks == 128 and 2039 in pages,
-        "one_token_tail": 1 in tails,
+        "last_block_attended": last_attended,
+        "block_0_attended": block_0,
+        "page_ids_past_2_16": past_2_16,
+        "report_boundary_2039": case.num_blocks == 128 and has_2039,
+        "one_token_tail": one_token_tail,
         "empty_rows": sum(row.context_len == 0 for row in rows),
         "scales": [case.k_scale, case.v_scale],
     }
