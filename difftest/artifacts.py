@@ -100,7 +100,9 @@ class ArtifactStore:
         return running_path(self._pending_path(case))
 
     def _write_pending(self, case: Case) -> Path:
-        return write_json(self._pending_path(case), self._in_flight[case.case_id])
+        # One line: indenting a production case's 8192 table entries doubled the encoding
+        # (Python's encoder is C only without indent); crash recovery reads it as JSON.
+        return write_json(self._pending_path(case), self._in_flight[case.case_id], indent=None)
 
     def begin(self, case: Case, backends: list[str]) -> Path:
         """Write the case to disk (fsynced) before it runs; ``backends[0]`` is the reference."""
