@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,11 +71,16 @@ class CaseResult:
                                 f"{r.detail}")
         return messages
 
-    def record(self, outputs: dict[str, str] | None = None) -> CaseRecord:
-        """The case's record, with ``outputs`` (backend -> sha256 of its output)."""
+    def record(self, outputs: dict[str, str] | None = None, *,
+               case: dict[str, Any] | None = None,
+               features: dict[str, Any] | None = None) -> CaseRecord:
+        """The case's record, with ``outputs`` (backend -> sha256 of its output);
+        ``case``/``features``: the case's dict and features if the caller has them."""
         return CaseRecord(
-            case_id=self.case.case_id, name=self.case.name, case=self.case.to_dict(),
-            features=case_features(self.case), reference=self.reference,
+            case_id=self.case.case_id, name=self.case.name,
+            case=case if case is not None else self.case.to_dict(),
+            features=features if features is not None else case_features(self.case),
+            reference=self.reference,
             results=[r.record((outputs or {}).get(r.backend)) for r in self.results],
             timings=dict(self.timings), artifact=self.artifact)
 
