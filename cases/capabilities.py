@@ -31,7 +31,7 @@ from difftest.cases.strategies import DtypeCombo, cases, dtype_combos
 from hypothesis import strategies as st
 
 from difftest.backend import Backend
-from difftest.case import KV_LAYOUTS, MODE_DEFAULTS, Case, CaseError
+from difftest.case import KV_LAYOUTS, Case, CaseError
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
 
 REDRAWS = 4  # draws of an example some backend cannot run in any variant, before it is kept
@@ -68,6 +68,16 @@ def _with(case: Case, **changes: Any) -> Case | None:
         return None
 
 
+def _modes_off(case: Case, modes: Sequence[str]) -> Case | None:
+    """``case`` with ``modes`` off (:meth:`Case.mode_off`), or ``None`` if that is invalid."""
+    try:
+        for mode in modes:
+            case = case.mode_off(mode)
+    except (CaseError, ValueError):
+        return None
+    return case
+
+
 def nearest(dtype: str, choices: Sequence[str]) -> list[str]:
     """The other ``choices``, those of ``dtype``'s width first, then in declared order."""
     width = torch_dtype(dtype).itemsize
@@ -76,27 +86,28 @@ def nearest(dtype: str, choices: Sequence[str]) -> list[str]:
 
 
 def variants(case: Case) -> Iterator[tuple[Case, tuple[str, ...]]]:
-    """Cases near ``case``, fewest changed fields first: the query dtype and the KV dtype
-    (the nearest first, :func:`nearest`), and the kernel modes (each on one off, then all
-    off)."""
-    on = [m for m, off in MODE_DEFAULTS.items() if getattr(case, m) != off]
-    mode_choices: list[tuple[dict[str, Any], tuple[str, ...]]] = [({}, ())]
-    mode_choices += [({m: MODE_DEFAULTS[m]}, (f"{m} off",)) for m in on]
+    """Cases near ``case``, fewest changes first: the query dtype and the KV dtype (the
+    nearest first, :func:`nearest`), and the kernel modes (:attr:`Case.kernel_modes`: each one
+    off, then all off, by :meth:`Case.mode_off`, which keeps the rows' selections valid)."""
+    on = list(case.kernel_modes)
+    mode_choices: list[tuple[tuple[str, ...], tuple[str, ...]]] = [((), ())]
+    mode_choices += [((m,), (f"{m} off",)) for m in on]
     if len(on) > 1:
-        mode_choices.append(({m: MODE_DEFAULTS[m] for m in on}, ("kernel modes off",)))
-    axes = [
+        mode_choices.append((tuple(on), ("kernel modes off",)))
+    dtype_axes = [
         [({}, ())] + [({"query_dtype": q}, (f"query_dtype {case.query_dtype} -> {q}",))
                       for q in nearest(case.query_dtype, QUERY_DTYPES)],
         [({}, ())] + [({"kv_dtype": kv}, (f"kv_dtype {case.kv_dtype} -> {kv}",))
                       for kv in nearest(case.kv_dtype, KV_DTYPES)],
-        mode_choices,
     ]
-    choices = sorted(itertools.product(*axes),
+    choices = sorted(itertools.product(*dtype_axes, mode_choices),
                      key=lambda combo: sum(bool(part[0]) for part in combo))
-    for combo in choices[1:]:  # the first is the case itself
-        variant = _with(case, **{k: v for part in combo for k, v in part[0].items()})
+    for query, kv, (off, mode_changes) in choices[1:]:  # the first is the case itself
+        variant = _modes_off(case, off)
         if variant is not None:
-            yield variant, tuple(c for part in combo for c in part[1])
+            variant = _with(variant, **query[0], **kv[0])
+        if variant is not None:
+            yield variant, (*query[1], *kv[1], *mode_changes)
 
 
 @dataclass

@@ -204,3 +204,18 @@ def test_fit_all_runs_a_variant_two_examples_share_once_per_backend() -> None:
     # first: bf16 on no-fp32, its fp16 variant on no-bf16; second: fp16 on no-fp32 only
     assert sorted(pairs) == sorted([(first.case_id, "no-fp32"), (second.case_id, "no-bf16"),
                                     (second.case_id, "no-fp32")])
+
+
+def test_a_prefill_example_is_fitted_to_a_backend_without_query_lens() -> None:
+    """``query_lens`` off keeps each request's decode row (Case.mode_off), so an example with
+    prefill-like rows still runs on a backend that refuses them, and is not redrawn."""
+    no_prefill = Picky("no-prefill", lambda c: bool(c.query_lens), "no prefill rows")
+    example = Case(num_blocks=4, seq_lens=(130, 5), block_tables=((3, 1), (2,)),
+                   selections=((0, 1), (0, 1), (0, -1)), query_lens=(2, 1),
+                   decode_query_len=1)
+    capabilities = Capabilities.probe([no_prefill, NO_BF16], CPU)
+    assert capabilities.accept(example)
+    runs = {r.backends: r for r in capabilities.fit(example)}
+    assert runs[("no-prefill",)].changes == ("query_lens off",)
+    assert runs[("no-prefill",)].case == example.mode_off("query_lens")
+    assert runs[("no-bf16",)].case == example
