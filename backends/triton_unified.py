@@ -173,7 +173,12 @@ class TritonUnifiedAttention:
         return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
-        """The 2-D kernel writes 0 on rows with no context."""
+        """The 2-D kernel writes 0 on rows with no context; the 3-D kernel writes no segment
+        for them, and the reduction then reads scratch nothing wrote (garbage in vLLM's
+        ``torch.empty`` scratch, NaN here): undefined."""
+        old_rule = "MAX_3D_QUERY_LEN" not in self._source()
+        if kernel_path(case, old_rule=old_rule) == "3D":
+            return EmptyRowOutput.UNDEFINED
         return EmptyRowOutput.ZERO
 
     def versions(self) -> dict[str, str]:

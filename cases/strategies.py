@@ -40,6 +40,7 @@ from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 PAGE_IDS_PAST_2_16 = {"LBHNC": 4097, "LHBNC": 8193}  # smallest cache with a page id > 65536
 SELECTION_MODES = ("indexer", "all", "tail-only", "empty-rows", "irregular")
 MAX_FULL_BLOCKS = 20  # up to 21 blocks per request: rows longer than top-k 16 x 128 tokens
+PREFILL_FULL_BLOCKS = 1  # a request of several query tokens: up to 2 blocks (256 tokens)
 TOPKS = (1, 2, 3, 4, 8, 16)  # ascending, so a shrink shortens the rows
 Q_HEADS = (1, 8, 16, 64)
 SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
@@ -103,8 +104,9 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     moves them toward 0, 1, 2, ...
 
     ``prefill``: the request draws its own query length (:func:`~difftest.cases.modes.
-    query_lengths`, one row per query token); one of several tokens fits top-k and every row
-    selects its causal blocks in order (the rows then share one causal sequence).
+    query_lengths`, one row per query token); one of several tokens fits top-k and
+    :data:`PREFILL_FULL_BLOCKS` full blocks, and every row selects its causal blocks in
+    order (the rows then share one causal sequence).
     """
     r = free.requests
     free.requests += 1
@@ -112,7 +114,10 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     query_len = draw(query_lengths()) if prefill else decode_query_len
     budget = len(free)
     share = max(1, budget - (max_batch - r - 1))
-    most = min(share - 1, MAX_FULL_BLOCKS, topk - 1 if prefill and query_len > 1 else budget)
+    # a prefill request fits top-k and at most PREFILL_FULL_BLOCKS full blocks: its rows each
+    # attend up to the whole request, so a long one costs the interpreter minutes
+    most = min(share - 1, MAX_FULL_BLOCKS,
+               min(topk - 1, PREFILL_FULL_BLOCKS) if prefill and query_len > 1 else budget)
     full = draw(st.integers(0, max(most, 0)))
     length = max(full * BLOCK_SIZE + draw(tails()), query_len)
     needed = cdiv(length, BLOCK_SIZE)

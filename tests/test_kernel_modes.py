@@ -336,3 +336,17 @@ def test_f12_interpreter_turns_fp32_subnormals_into_fp8_values() -> None:
     assert result.results[0].comparison.mismatched <= 4  # a few near-zero outputs only
     assert result.results[1].status is Status.UNSUPPORTED
     assert result.results[1].detail == INTERPRETER_FP8_QUERY_FINDING
+
+
+def test_rows_without_context_are_undefined_in_the_3d_kernel(device_name: str) -> None:
+    """The 3-D kernel writes no segment for a row of context 0 and the reduction reads the
+    unwritten scratch: declared undefined there (the 2-D kernel writes 0, still checked)."""
+    padded = Case(num_blocks=8, seq_lens=(300, 0), block_tables=((5, 2, 7), ()),
+                  selections=((0, 1, 2), (-1, -1, -1)), num_q_heads=2, seed=4,
+                  split_k_segments=16, seq_threshold_3d=2)
+    backend = TritonUnifiedAttention()
+    assert backend.empty_row_output(padded).name == "UNDEFINED"
+    assert backend.empty_row_output(padded.replace(seq_threshold_3d=1)).name == "ZERO"
+    for case in (padded, padded.replace(seq_threshold_3d=1)):
+        result = run_case(case, TorchReference(), [backend], torch.device(device_name))
+        assert result.results[0].status is Status.AGREE, result.results[0].detail
