@@ -6,10 +6,12 @@
 The examples are what ``difftest run`` draws (:class:`difftest.cases.capabilities.
 Capabilities`: every dtype combination and kernel mode some chosen backend runs, each example
 fitted to every backend), with a smaller geometry by default (``--max-batch 2 --max-topk 4``)
-so that thousands fit in minutes on a CPU. Every backend is correct, so any disagreement,
-error or crash is a false positive: it is printed with its case JSON and the exit status is 1.
-The parameter audit of the stretch (:mod:`difftest.audit`) is printed too, and its blind spots
-(an argument a backend accepts that took a single value) also fail the run.
+so that thousands fit in minutes. They are drawn in ``--parts`` parts, part ``i`` under seed
+``seed + i``, each drawn and run by one worker process: the set depends on the examples, the
+parts and the seed, never on the number of workers. Every backend is correct, so any
+disagreement, error or crash is a false positive: it is printed with its case JSON and the
+exit status is 1. The parameter audit of the stretch (:mod:`difftest.audit`) is printed too,
+and its blind spots (an argument a backend accepts that took a single value) also fail the run.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from difftest.registry import split_names
 
 DEFAULT_BACKENDS = ("triton-unified", "vllm-triton-sparse", "aiter-gluon@emulated",
                     "vllm-aiter@emulated")
-CHUNKS_PER_WORKER = 8
+FAILING = ("disagree", "error", "crash")
 
 
 def _prepare_worker(device: str, workers: int) -> None:
@@ -39,36 +41,47 @@ def _prepare_worker(device: str, workers: int) -> None:
     devices.share_cpu_threads(workers)
 
 
-def _run_chunk(runs: list[tuple[str, tuple[str, ...]]], names: tuple[str, ...],
-               device: str) -> list[dict[str, Any]]:
-    """Run ``(case JSON, backends)`` pairs in this process; their records as dicts."""
+def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_batch: int,
+             max_topk: int) -> dict[str, Any]:
+    """Draw ``examples`` derandomized examples under ``seed``, fit them to the backends called
+    ``names`` and run every fitted case: the records (as dicts) and generation's summary."""
     import tempfile
 
-    from difftest.case import Case
-    from difftest.session import Session
-
-    with tempfile.TemporaryDirectory() as artifacts:
-        session = Session.create(names, device=device, artifacts=artifacts)
-        for case_json, backends in runs:
-            session.run(Case.from_json(case_json), backends)
-        return [record.to_dict() for record in session.records]
-
-
-def stretch(examples: int, seed: int, names: Sequence[str], device: str, max_batch: int,
-            max_topk: int) -> tuple[list[tuple[str, tuple[str, ...]]], list[str]]:
-    """The fitted runs of ``examples`` derandomized examples, and generation's summary lines."""
     import torch
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.generate import generated_cases
 
-    from difftest.registry import discover, select
+    from difftest.session import Session
 
-    backends = [b for b in select(discover(), list(names)) if b.availability().available]
-    capabilities = Capabilities.probe(backends, torch.device(device))
-    drawn = generated_cases(examples, seed, capabilities.strategy(max_batch=max_batch,
-                                                                  max_topk=max_topk))
-    runs = [(f.case.to_json(), f.backends) for f in capabilities.fit_all(drawn)]
-    return runs, capabilities.lines()
+    with tempfile.TemporaryDirectory() as artifacts:
+        session = Session.create(list(names), device=device, artifacts=artifacts)
+        capabilities = Capabilities.probe(session.backends, torch.device(device))
+        start = time.perf_counter()
+        drawn = generated_cases(examples, seed, capabilities.strategy(max_batch=max_batch,
+                                                                      max_topk=max_topk))
+        runs = capabilities.fit_all(drawn)
+        drawn_seconds = time.perf_counter() - start
+        failures = []
+        for fitted in runs:
+            result = session.run(fitted.case, fitted.backends)
+            failures += [{"backend": r.backend, "status": r.status.value,
+                          "case": fitted.case.to_dict(), "message": message}
+                         for r, message in zip(result.results, _messages(result), strict=True)
+                         if r.status.value in FAILING]
+        return {"records": [r.to_dict() for r in session.records], "failures": failures,
+                "lines": capabilities.lines(), "examples": capabilities.examples,
+                "unfit": capabilities.examples_unfit, "drawn_seconds": drawn_seconds}
+
+
+def _messages(result: Any) -> list[str]:
+    """Each backend's failure text (empty for one that did not fail)."""
+    out = []
+    for r in result.results:
+        if r.status.value == "disagree" and r.comparison is not None:
+            out.append(r.comparison.message(result.case, result.reference))
+        else:
+            out.append(r.detail)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", type=int, default=16,
+                        help="draw the examples in this many parts, part i under seed + i")
     parser.add_argument("--backends", type=split_names, default=list(DEFAULT_BACKENDS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workers", type=int, default=2)
@@ -87,35 +102,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = devices.resolve(args.device)
     devices.prepare_runtime(device)
     start = time.perf_counter()
-    runs, generation = stretch(args.examples, args.seed, args.backends, device,
-                               args.max_batch, args.max_topk)
-    drawn_seconds = time.perf_counter() - start
-    names = tuple(sorted({n for _, backends in runs for n in backends}))
-    chunk = max(1, -(-len(runs) // (CHUNKS_PER_WORKER * args.workers)))
+    sizes = [len(range(i, args.examples, args.parts)) for i in range(args.parts)]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context,
                                                 initializer=_prepare_worker,
                                                 initargs=(device, args.workers)) as pool:
-        futures = [pool.submit(_run_chunk, runs[i: i + chunk], names, device)
-                   for i in range(0, len(runs), chunk)]
-        records = [r for f in futures for r in f.result()]
+        futures = [pool.submit(run_part, size, args.seed + i, args.backends, device,
+                               args.max_batch, args.max_topk)
+                   for i, size in enumerate(sizes) if size]
+        parts = [f.result() for f in futures]
     wall = time.perf_counter() - start
+
     import torch
 
     from difftest.audit import audit_lines, blind_spots
     from difftest.registry import discover, select
 
-    statuses: Counter[tuple[str, str]] = Counter()
-    failures = []
-    for entry in records:
-        for result in entry["results"]:
-            statuses[(result["backend"], result["status"])] += 1
-            if result["status"] in ("disagree", "error", "crash"):
-                failures.append({"backend": result["backend"], "status": result["status"],
-                                 "case": entry["case"], "detail": result.get("detail", "")})
-    backends = [b for b in select(discover(), list(names)) if b.availability().available]
+    records = [r for part in parts for r in part["records"]]
+    failures = [f for part in parts for f in part["failures"]]
+    examples = sum(part["examples"] for part in parts)
+    unfit = sum(part["unfit"] for part in parts)
+    statuses = Counter((r["backend"], r["status"]) for e in records for r in e["results"])
+    names = sorted({backend for backend, _ in statuses})
+    backends = [b for b in select(discover(), names) if b.availability().available]
     blind = [f"{c.backend}: {c.argument.name}"
              for c in blind_spots(records, backends, torch.device(device))]
+    generation = [f"part {i + 1} (seed {args.seed + i}): {line}"
+                  for i, part in enumerate(parts) for line in part["lines"]]
+    generation.append(f"examples some backend could not run, all parts: {unfit} of {examples} "
+                      f"({unfit / max(examples, 1):.1%})")
     for line in generation:
         print(f"generation: {line}")
     print("\n".join(audit_lines(records, backends, torch.device(device))))
@@ -123,17 +138,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{backend:<24} {status:<12} {count}")
     for failure in failures:
         print(f"FALSE POSITIVE {failure['backend']} {failure['status']}: "
-              f"{json.dumps(failure['case'], sort_keys=True)}\n{failure['detail']}")
+              f"{json.dumps(failure['case'], sort_keys=True)}\n{failure['message']}")
     print(f"blind spots: {', '.join(blind) or 'none'}")
-    print(f"{len(failures)} false positives in {args.examples} derandomized examples "
-          f"({len(runs)} fitted runs, seed {args.seed}, max batch {args.max_batch}, max top-k "
-          f"{args.max_topk}) on {', '.join(names)}; drawn in {drawn_seconds:.0f} s, wall "
-          f"{wall:.0f} s on {device} ({os.cpu_count()} cores, {args.workers} workers, "
-          f"{platform.platform()})")
+    print(f"{len(failures)} false positives in {examples} derandomized examples "
+          f"({len(records)} fitted runs; {args.parts} parts from seed {args.seed}; max batch "
+          f"{args.max_batch}, max top-k {args.max_topk}) on {', '.join(names)}; drawing "
+          f"{sum(p['drawn_seconds'] for p in parts):.0f} s summed over parts, wall {wall:.0f} s "
+          f"on {device} ({os.cpu_count()} cores, {args.workers} workers, "
+          f"{platform.platform()}, Python {platform.python_version()}, torch "
+          f"{torch.__version__})")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"examples": args.examples, "seed": args.seed, "runs": len(runs),
-                       "backends": list(names), "generation": generation,
+            json.dump({"examples": examples, "parts": args.parts, "seed": args.seed,
+                       "runs": len(records), "backends": names, "generation": generation,
                        "statuses": {f"{b} {s}": n for (b, s), n in sorted(statuses.items())},
                        "false_positives": failures, "blind_spots": blind,
                        "wall_seconds": wall, "command": " ".join(sys.argv)}, fh, indent=1)
