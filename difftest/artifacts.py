@@ -116,6 +116,12 @@ class ArtifactStore:
         }
         return self._write_pending(case)
 
+    def case_dict(self, case: Case) -> dict[str, Any] | None:
+        """``case.to_dict()`` as :meth:`begin` wrote it (``None`` when ``case`` is not in
+        flight), so the record need not serialise the case again."""
+        in_flight = self._in_flight.get(case.case_id)
+        return None if in_flight is None else in_flight["case"]
+
     def running(self, case: Case, backend: str) -> None:
         """Note on disk that ``backend`` now runs ``case`` (a crash is then attributed to it)."""
         if case.case_id in self._in_flight:

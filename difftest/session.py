@@ -18,10 +18,12 @@ from difftest import devices, registry
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
 from difftest.backend import Backend, ReferenceBackend, RunInputs, serves_as_reference
 from difftest.case import Case
+from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
 from difftest.records import CaseRecord
 from difftest.report import backend_entry
 from difftest.runner import CaseResult, run_case
+from difftest.sparse_table import SparseRow
 from difftest.tolerance import Reference
 
 DEFAULT_REFERENCE = "torch-ref"
@@ -56,13 +58,16 @@ class ObservedReference(ObservedBackend):
     """The reference backend as a session runs it (its reference computation observed too)."""
 
     inner: ReferenceBackend
+    rows: tuple[SparseRow, ...] | None = None  # the case's rows, once the reference ran
 
     def __init__(self, inner: ReferenceBackend, store: ArtifactStore) -> None:
         super().__init__(inner, store)
 
     def reference(self, inputs: RunInputs) -> Reference:
-        """The wrapped reference backend's float64 reference."""
+        """The wrapped reference backend's float64 reference; keeps the case's rows (built
+        by generation) in :attr:`rows` for the case's features."""
         self.store.running(inputs.case, self.name)
+        self.rows = inputs.rows
         return self.inner.reference(inputs)
 
 
@@ -114,9 +119,14 @@ class Session:
         disk while it runs and its failure stored. Keeps its result and record."""
         chosen = self.backends if backends is None else self.chosen(backends)
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
-        result = run_case(case, ObservedReference(self.reference, self.store),
-                          [ObservedBackend(b, self.store) for b in chosen], self.device)
-        record = result.record(self.store.outputs(case))
+        reference = ObservedReference(self.reference, self.store)
+        result = run_case(case, reference, [ObservedBackend(b, self.store) for b in chosen],
+                          self.device)
+        # The case as begin serialised it and the features from generation's rows: neither
+        # is built twice (at production shape each cost about 10 to 25 ms per case).
+        record = result.record(
+            self.store.outputs(case), case=self.store.case_dict(case),
+            features=None if reference.rows is None else case_features(case, reference.rows))
         result.artifact = self.store.finish(case, record)
         self.results.append(result)
         self.records.append(record)

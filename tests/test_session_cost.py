@@ -4,6 +4,9 @@
   only a value that has one (:func:`difftest.jsonfile.encode_nonfinite`): the text, the
   record's ``results.json`` and the report file are the bytes the copy-always path wrote, for
   a real record with non-finite numbers and one without.
+* :meth:`difftest.session.Session.run` serialises the case once (the dict the pending file
+  holds goes into the record) and takes the features from the rows generation built: its
+  record is the one :meth:`difftest.runner.CaseResult.record` builds from scratch.
 * :func:`difftest.coverage.case_features` counts page ids per segment instead of listing every
   page a case reads: the features are those of the listing (the previous code, below).
 """
@@ -20,7 +23,7 @@ from difftest.cases.strategies import cases
 from hypothesis import given
 
 from benchmarks.throughput import production_case
-from difftest import jsonfile
+from difftest import coverage, jsonfile
 from difftest.artifacts import ArtifactStore
 from difftest.case import Case
 from difftest.coverage import PAGE_ID_2_16, case_features
@@ -134,3 +137,20 @@ def test_features_counted_per_segment_are_those_of_the_page_list() -> None:
 @given(cases())
 def test_features_of_generated_cases_are_those_of_the_page_list(case: Case) -> None:
     assert case_features(case) == listed_features(case)
+
+
+def test_the_session_serialises_the_case_once_and_reuses_its_rows(records, monkeypatch) -> None:
+    _, _, session = records
+    case = load_corpus()[1]
+    serialised = []
+    to_dict = Case.to_dict
+    monkeypatch.setattr(Case, "to_dict", lambda self: serialised.append(self) or to_dict(self))
+
+    def rebuilt(case: Case) -> None:
+        raise AssertionError("the features rebuilt the rows")
+    monkeypatch.setattr(coverage, "build_rows", rebuilt)
+    result = session.run(case, ["aiter-gluon@emulated"])
+    assert serialised == [case]  # begin's, for the pending file and the record
+    monkeypatch.undo()
+    from_scratch = result.record(session.store.outputs(case))
+    assert session.records[-1].to_dict() == from_scratch.to_dict()
