@@ -6,9 +6,11 @@
 
 For every mutant of :mod:`mutants.catalog`:
 
-* **ours**: a Hypothesis run of :func:`difftest.cases.strategies.cases` (fixed seed, no database)
-  that raises on the first kill; Hypothesis then shrinks the killing case within a budget of
-  kernel runs, and the shrunk case's size is reported;
+* **ours**: a Hypothesis run of what ``difftest run`` gives the mutant's backend
+  (:func:`difftest.cases.capabilities.cases_for_backend`: each drawn example or its nearest
+  variant the backend runs; fixed seed, no database) that raises on the first kill;
+  Hypothesis then shrinks the killing case within a budget of kernel runs, and the shrunk
+  case's size is reported;
 * **baselines**: the peers' grids of :mod:`difftest.cases.baseline`, in their order, up to a cap.
 
 A kill is the engine's verdict (:func:`difftest.runner.run_case` against ``torch-ref``):
@@ -274,15 +276,14 @@ def walk(mutants: Sequence[Any], grid: Iterable[Case], generator: str, device: t
 
 
 def _hunt_task(name: str, device: str, limits: Limits) -> Outcome:
-    from difftest.cases.strategies import cases
+    from difftest.cases.capabilities import cases_for_backend
 
     mutant = _catalog()[name]
     dev = torch.device(device)
     availability = mutant.availability()
     if not availability.available:
         return Outcome(name, "ours", mutant.mutation.harmful, note=availability.reason)
-    queries, kvs = supported_dtypes(mutant, dev)
-    return hunt(mutant, cases(query_dtypes=queries, kv_dtypes=kvs), dev, limits)
+    return hunt(mutant, cases_for_backend(mutant, dev), dev, limits)
 
 
 def _walk_task(names: Sequence[str], generator: str, device: str,

@@ -293,3 +293,13 @@ def cases_for(backends: Iterable[Backend], device: torch.device,
     """Examples some of ``backends`` runs on ``device``, each fittable to all of them (see
     :class:`Capabilities`; run each through :meth:`Capabilities.fit`)."""
     return Capabilities.probe(backends, device).strategy(**options)
+
+
+def cases_for_backend(backend: Backend, device: torch.device,
+                      **options: Any) -> st.SearchStrategy[Case]:
+    """What ``difftest run`` gives ``backend`` alone on ``device``: each drawn example, or
+    the nearest variant of it the backend runs (:meth:`Capabilities.fit`). For hunts of one
+    backend (the mutation benchmark): the modes and dtypes it refuses cost no examples."""
+    capabilities = Capabilities.probe([backend], device)
+    return capabilities.strategy(**options).map(lambda case: capabilities.fit(case)[0].case)
+
