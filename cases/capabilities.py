@@ -204,10 +204,11 @@ class Capabilities:
     def fit(self, case: Case) -> list[Fitted]:
         """The runs of one drawn example: the drawn case on the backends that run it, and each
         variant on the backends that run it instead (a backend that runs no variant is listed
-        with the drawn case, where it reports ``unsupported``); a run no backend is left for
-        is dropped. Counted for :meth:`lines`."""
+        with the drawn case, where it reports ``unsupported``, and so is every backend the
+        probe left out, which reports itself ``unavailable`` or its error); a run no backend
+        is left for is dropped. Counted for :meth:`lines`."""
         groups: dict[str, tuple[Case, tuple[str, ...], list[str]]] = {
-            case.case_id: (case, (), [])}
+            case.case_id: (case, (), [name for name, _ in self.skipped])}
         self.examples += 1
         unfit = False
         for backend in self.backends:

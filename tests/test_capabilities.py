@@ -138,8 +138,10 @@ def test_unavailable_backends_are_said_and_the_rest_still_fitted() -> None:
     capabilities = Capabilities.probe([only_fp32, NO_FP32, gone], CPU)
     example = generated_cases(1, 0, capabilities.strategy(max_batch=1, max_topk=2))[0]
     runs = capabilities.fit(example)
-    assert sorted(n for r in runs for n in r.backends) == ["fp32-only", "no-fp32"]
+    assert sorted(n for r in runs for n in r.backends) == ["fp32-only", "gone", "no-fp32"]
     assert {r.case.query_dtype for r in runs if "fp32-only" in r.backends} == {"float32"}
+    # the unavailable backend is listed with the drawn case, where it reports itself
+    assert [r.case for r in runs if "gone" in r.backends] == [example]
     assert "not drawn for gone: unavailable: no such hardware" in capabilities.lines()
 
 

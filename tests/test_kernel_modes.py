@@ -223,13 +223,14 @@ def test_triton_unified_agrees_in_the_new_modes(case: Case, device_name: str) ->
     assert result.results[0].status is Status.AGREE, result.results[0].detail
 
 
-def test_both_kernel_paths_are_reached_and_checked(monkeypatch) -> None:
+def test_both_kernel_paths_are_reached_and_checked(monkeypatch, device_name: str) -> None:
     """vLLM picks 3-D at or below the threshold; the adapter checks the scratch: a path
     other than the one the rule names is an error that names both."""
     at = BASE.replace(split_k_segments=16, seq_threshold_3d=1)
     assert (kernel_path(at), kernel_path(at.replace(seq_threshold_3d=0))) == ("3D", "2D")
     monkeypatch.setattr(triton_unified, "kernel_path", lambda case, old_rule=False: "2D")
-    result = run_case(at, TorchReference(), [TritonUnifiedAttention()], torch.device("cpu"))
+    result = run_case(at, TorchReference(), [TritonUnifiedAttention()],
+                      torch.device(device_name))
     assert result.results[0].status is Status.ERROR
     assert "ran its 3D kernel where vLLM's rule says 2D" in result.results[0].detail
 
