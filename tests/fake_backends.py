@@ -56,6 +56,19 @@ class Crasher(Rounded):
 DIFFTEST_BACKENDS = [Rounded, Perturbed, Crasher]
 
 
+class NanOut(TorchReference):
+    """Writes NaN everywhere: a disagreement with non-finite errors."""
+
+    name = "nan-out"
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """NaN in the reference's shape."""
+        return torch.full_like(self.reference(inputs).output, float("nan"))
+
+
+NAN_BACKENDS = [NanOut]  # --plugin tests/fake_backends.py:NAN_BACKENDS
+
+
 class ProbeRaises(Rounded):
     """Its availability probe raises, as a driver query on a broken image does."""
 

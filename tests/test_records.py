@@ -34,22 +34,7 @@ from difftest.session import Session
 
 SCHEMA_DOC = Path(__file__).parents[1] / "docs" / "report-schema.md"
 
-NAN_PLUGIN = '''
-import torch
-from difftest.backends.torch_ref import TorchReference
-
-
-class NanOut(TorchReference):
-    """Writes NaN everywhere: a disagreement with non-finite errors."""
-
-    name = "nan-out"
-
-    def run(self, inputs):
-        return torch.full_like(self.reference(inputs).output, float("nan"))
-
-
-DIFFTEST_BACKENDS = [NanOut]
-'''
+NAN_PLUGIN = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, device_name: str) -> tuple[Ses
     """Three pinned corpus cases through torch-ref, the AITER emulator, a wrong backend and
     one that writes NaN; plus a crash record of a fourth case."""
     root = tmp_path_factory.mktemp("records")
-    (root / "nan_plugin.py").write_text(NAN_PLUGIN)
-    plugins = [str(Path(__file__).parent / "fake_backends.py"), str(root / "nan_plugin.py")]
+    plugins = [str(Path(__file__).parent / "fake_backends.py"), NAN_PLUGIN]
     session = Session.create(["aiter-gluon@emulated", "perturbed", "nan-out"], plugins,
                              device=device_name, artifacts=str(root / "artifacts"))
     corpus = load_corpus()

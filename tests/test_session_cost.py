@@ -32,22 +32,7 @@ from difftest.report import build_report, write_report
 from difftest.session import Session
 from difftest.sparse_table import build_rows, row_page_ids
 
-NAN_PLUGIN = '''
-import torch
-from difftest.backends.torch_ref import TorchReference
-
-
-class NanOut(TorchReference):
-    """Writes NaN everywhere: a disagreement with non-finite errors."""
-
-    name = "nan-out"
-
-    def run(self, inputs):
-        return torch.full_like(self.reference(inputs).output, float("nan"))
-
-
-DIFFTEST_BACKENDS = [NanOut]
-'''
+NAN_PLUGIN = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"
 
 
 def slow_dumps(value: Any, indent: int | None = None) -> str:
@@ -83,8 +68,7 @@ def records(tmp_path_factory: pytest.TempPathFactory,
     """A corpus case's record with only finite numbers (the AITER emulator agrees), and one
     with non-finite numbers (a backend writing NaN: greatest error/tolerance infinite)."""
     root = tmp_path_factory.mktemp("session_cost")
-    (root / "nan_plugin.py").write_text(NAN_PLUGIN)
-    session = Session.create(["aiter-gluon@emulated", "nan-out"], [str(root / "nan_plugin.py")],
+    session = Session.create(["aiter-gluon@emulated", "nan-out"], [NAN_PLUGIN],
                              device=device_name, artifacts=str(root / "artifacts"))
     case = load_corpus()[0]
     session.run(case, ["aiter-gluon@emulated"])
