@@ -33,7 +33,6 @@ from difftest.registry import split_names
 
 DEFAULT_BACKENDS = ("triton-unified", "vllm-triton-sparse", "aiter-gluon@emulated",
                     "vllm-aiter@emulated")
-FAILING = ("disagree", "error", "crash")
 
 
 def _prepare_worker(device: str, workers: int) -> None:
@@ -51,6 +50,7 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.generate import generated_cases
 
+    from difftest.runner import FAILING
     from difftest.session import Session
 
     with tempfile.TemporaryDirectory() as artifacts:
@@ -64,24 +64,13 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
         failures = []
         for fitted in runs:
             result = session.run(fitted.case, fitted.backends)
+            failed = [r for r in result.results if r.status in FAILING]
             failures += [{"backend": r.backend, "status": r.status.value,
                           "case": fitted.case.to_dict(), "message": message}
-                         for r, message in zip(result.results, _messages(result), strict=True)
-                         if r.status.value in FAILING]
+                         for r, message in zip(failed, result.failure_messages(), strict=True)]
         return {"records": [r.to_dict() for r in session.records], "failures": failures,
                 "lines": capabilities.lines(), "examples": capabilities.examples,
                 "unfit": capabilities.examples_unfit, "drawn_seconds": drawn_seconds}
-
-
-def _messages(result: Any) -> list[str]:
-    """Each backend's failure text (empty for one that did not fail)."""
-    out = []
-    for r in result.results:
-        if r.status.value == "disagree" and r.comparison is not None:
-            out.append(r.comparison.message(result.case, result.reference))
-        else:
-            out.append(r.detail)
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
