@@ -6,15 +6,20 @@ cannot be caught. For each kernel a backend calls (``unified_attention``,
 ``pa_decode_gluon``), :data:`KERNELS` lists every parameter of the kernel's signature, in
 order, either with the value class the adapter passes for a case (derived from the case by
 the adapter's own rule, so no kernel has to run) or as **fixed**, with the value and the
-reason. :func:`audit` collects the distinct values and boundary classes over a set of cases;
-:func:`blind_spots` lists the arguments that are neither fixed nor varied; :func:`audit_lines`
-renders both for a run's summary.
+reason. :data:`DIMENSIONS` adds the sizes a kernel reads from its tensors' shapes rather than
+as parameters (head dim, page size, the 128-token block, KV heads), each mapped to the
+arguments and shape entries that carry it and fixed by the case model (difftest/case.py
+``validate``) with the reason. :func:`audit` collects the distinct values and boundary classes
+over a set of cases; :func:`blind_spots` lists the arguments that are neither fixed nor varied;
+:func:`audit_lines` renders both for a run's summary and :func:`audit_json` for a report.
 
 Signatures: vLLM 0.33.0's ``vllm/v1/attention/ops/triton_unified_attention.py`` and
 ``vllm/models/minimax_m3/{common/ops/sparse_attn,amd/ops/sparse_pa}.py``; AITER's
 ``pa_decode_gluon`` as in ``aiter/ops/triton/gluon/pa_decode_gluon.py`` L5195-5216 (commit
 37b5395e, /work/shared/reference/aiter-pa-decode-gluon.md section 1). tests/test_audit.py
-checks the lists against the signatures installed.
+checks the lists against the signatures installed. The shape facts of :data:`DIMENSIONS`:
+/work/shared/reference/minimax-m3-sparse-decode.md sections 1, 3 and 5 and
+aiter-pa-decode-gluon.md sections 1 and 2.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from difftest.backend import Backend
-from difftest.case import Case
+from difftest.case import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, Case
 from difftest.registry import parse_name
 from difftest.sparse_table import (
     build_rows,
@@ -44,16 +49,18 @@ class Argument:
     """One kernel parameter: ``value(case)`` is what the adapter passes (a hashable label),
     and/or ``fixed`` is the reason the value does not change (``fixed_value``). Both: a mode
     MiniMax-M3 keeps off that the cases may still switch on (softcap, sliding window); its
-    values are shown, and a single one is no blind spot."""
+    values are shown, and a single one is no blind spot. ``shape``: for a size the kernel
+    reads from its tensors (:data:`DIMENSIONS`), where, e.g. ``"q.shape[2], k.shape[3]"``."""
 
     name: str
     value: Callable[[Case], Hashable] | None = None
     fixed: str = ""
     fixed_value: str = ""
+    shape: str = ""
 
 
-def _fixed(name: str, value: str, reason: str) -> Argument:
-    return Argument(name, fixed=reason, fixed_value=value)
+def _fixed(name: str, value: str, reason: str, shape: str = "") -> Argument:
+    return Argument(name, fixed=reason, fixed_value=value, shape=shape)
 
 
 # ----- value classes --------------------------------------------------------------------------
@@ -293,6 +300,79 @@ PA_DECODE_GLUON: tuple[Argument, ...] = (
            "partition)"),
 )
 
+# ----- sizes read from shapes, fixed by the case model -------------------------------------------
+CASE_MODEL = "the case model (difftest/case.py validate) holds it"
+HEAD_DIM_WHY = (f"MiniMax-M3's head dim (sm_scale = {HEAD_DIM}**-0.5, amd/model.py:668); "
+                f"{CASE_MODEL} so that every backend runs every case: vLLM's AITER sparse PA "
+                f"raises for head_size != {HEAD_DIM} (sparse_pa.py:546-548)")
+LBHNC = (f"MiniMax-M3's sparse-PA cache: a {BLOCK_SIZE}-token block stores its K side, then "
+         f"its V side, each {BLOCK_SIZE // PAGE_SIZE} pages of {PAGE_SIZE} tokens (LBHNC; "
+         f"page id {2 * BLOCK_SIZE // PAGE_SIZE}*block + j, minimax-m3-sparse-decode.md "
+         "section 1)")
+PAGE_WHY = f"{LBHNC}; {CASE_MODEL}, and every page id and sparse table is derived from it"
+BLOCK_WHY = (f"the indexer's top-k selects {BLOCK_SIZE}-token blocks (SPARSE_BLOCK_SIZE, "
+             f"common/ops/sparse_attn.py:26), the blocks of {LBHNC}; {CASE_MODEL}")
+ONE_KV_HEAD_SHAPE = (f"{ONE_KV_HEAD}; this kernel accepts more (its GQA grouping is "
+                     "num_q_heads // num_kv_heads), which no case reaches")
+
+DIMENSIONS: dict[str, tuple[Argument, ...]] = {
+    "unified_attention": (
+        _fixed("head_dim", str(HEAD_DIM), "unified_attention accepts any head size (padded "
+               "to a power of 2 and masked, triton_unified_attention.py:1038); "
+               f"{HEAD_DIM_WHY}; the padded path of non-power-of-2 sizes is not tested",
+               "q.shape[2], k.shape[3], v.shape[3], out.shape[2]"),
+        _fixed("page_size", str(PAGE_SIZE), "unified_attention takes its block size from "
+               "v.shape[1] and accepts others (it clamps its tiles to it, "
+               "triton_unified_attention.py:951, 1018-1022); the adapter passes the plain "
+               f"page-{PAGE_SIZE} views of {PAGE_WHY}",
+               "k.shape[1], v.shape[1]; block_table holds page ids"),
+        _fixed("block_size", str(BLOCK_SIZE), "no unified_attention parameter: it sees pages "
+               f"only; the {BLOCK_SIZE}-token block is the {BLOCK_SIZE // PAGE_SIZE} "
+               "consecutive page ids per selected block in block_table and max_seqlen_k = "
+               f"topk * {BLOCK_SIZE}; {BLOCK_WHY}", "block_table width, max_seqlen_k"),
+        _fixed("num_kv_heads", "1", ONE_KV_HEAD_SHAPE, "k.shape[2], v.shape[2]"),
+    ),
+    "minimax_m3_sparse_attn_decode": (
+        _fixed("head_dim", str(HEAD_DIM), "the common Triton decode accepts any head_dim "
+               f"(BLOCK_SIZE_D = next_power_of_2(head_dim)); {HEAD_DIM_WHY}",
+               "q.shape[2], kv_cache.shape[3] // 2, output.shape[2]"),
+        _fixed("block_size", str(BLOCK_SIZE), f"kv_cache is [blocks, nkv, {BLOCK_SIZE}, 2*D]: "
+               f"the kernel's BLOCK_SIZE_K == SPARSE_BLOCK_SIZE == {BLOCK_SIZE}, one selected "
+               f"block is one cache block, no other value is accepted; {BLOCK_WHY}",
+               "kv_cache.shape[2]; topk_idx and block_table hold 128-token block ids"),
+    ),
+    "minimax_m3_sparse_attn_decode_aiter": (
+        _fixed("head_dim", str(HEAD_DIM), f"no other value is accepted: MiniMax-M3's head dim, "
+               f"and _run_gluon_decode raises ValueError for head_size != {HEAD_DIM} "
+               f"(sparse_pa.py:546-548); {CASE_MODEL}",
+               "q.shape[2], k_cache.shape[2] * x, v_cache.shape[3], output.shape[2]"),
+        _fixed("page_size", str(PAGE_SIZE), f"ASM_PAGE_SIZE = {PAGE_SIZE} is a constant of "
+               "sparse_pa.py (AITER's writer puts slot s at page s // 16); no other value is "
+               f"accepted; {PAGE_WHY}", "k_cache.shape[3], v_cache.shape[2] * x"),
+        _fixed("block_size", str(BLOCK_SIZE), "PAGES_PER_SPARSE_BLOCK = SPARSE_BLOCK_SIZE // "
+               f"ASM_PAGE_SIZE = {BLOCK_SIZE // PAGE_SIZE} is a constant of sparse_pa.py; the "
+               f"block page stride is {2 * BLOCK_SIZE // PAGE_SIZE} when K and V share a block "
+               f"(LBHNC), {BLOCK_SIZE // PAGE_SIZE} otherwise; {BLOCK_WHY}",
+               "topk_idx and block_table hold 128-token block ids; k_cache.shape[0] pages"),
+    ),
+    "pa_decode_gluon": (
+        _fixed("head_dim", str(HEAD_DIM), "pa_decode_gluon takes D from query.shape[-1] "
+               f"(the 16-byte interleave needs D % x == 0); {HEAD_DIM_WHY}",
+               "query.shape[2], key_cache.shape[2] * x, value_cache.shape[3]"),
+        _fixed("page_size", str(PAGE_SIZE), "bs = key_cache.shape[-2]: AITER's dot kernel "
+               "static_asserts KV_BLOCK_SIZE in [16, 64] (the large-block kernel takes 1024, "
+               "aiter-pa-decode-gluon.md section 2); vLLM's MiniMax-M3 sparse PA passes "
+               f"{PAGE_SIZE}-token pages only, so 64 is not tested; {PAGE_WHY}",
+               "key_cache.shape[3], value_cache.shape[2] * x"),
+        _fixed("block_size", str(BLOCK_SIZE), "no pa_decode_gluon parameter: it sees pages "
+               f"only; the {BLOCK_SIZE}-token block is the {BLOCK_SIZE // PAGE_SIZE} "
+               f"consecutive page ids per selected block in block_tables; {BLOCK_WHY}",
+               "block_tables width"),
+        _fixed("num_kv_heads", "1", ONE_KV_HEAD_SHAPE + " (vLLM folds heads into pages, "
+               "sparse_pa.py:567-572)", "key_cache.shape[1], value_cache.shape[1]"),
+    ),
+}
+
 KERNELS: dict[str, tuple[Argument, ...]] = {
     "unified_attention": UNIFIED_ATTENTION,
     "minimax_m3_sparse_attn_decode": SPARSE_ATTN_DECODE,
@@ -376,9 +456,9 @@ def _ran(runs: Runs, backend: str | Backend, device: torch.device | None) -> lis
 
 def audit(items: Iterable[Case | Mapping[str, Any] | Any], backends: Sequence[str | Backend],
           device: torch.device | None = None) -> list[Coverage]:
-    """Every argument of every backend's kernel, with the distinct values it took on the cases
-    that backend ran (see :func:`as_runs`; backends with no known kernel, such as the
-    reference, are left out)."""
+    """Every argument of every backend's kernel, then its :data:`DIMENSIONS`, with the distinct
+    values each took on the cases that backend ran (see :func:`as_runs`; backends with no
+    known kernel, such as the reference, are left out)."""
     runs = as_runs(items)
     out = []
     for backend in backends:
@@ -387,7 +467,7 @@ def audit(items: Iterable[Case | Mapping[str, Any] | Any], backends: Sequence[st
         if kernel is None:
             continue
         cases = _ran(runs, backend, device)
-        for argument in KERNELS[kernel]:
+        for argument in KERNELS[kernel] + DIMENSIONS[kernel]:
             values: dict[Hashable, None] = {}
             if argument.value is not None:
                 for case in cases:
@@ -433,7 +513,8 @@ def audit_lines(items: Iterable[Case | Mapping[str, Any] | Any],
         width = max(len(c.argument.name) for c in rows)
         for c in rows:
             name = c.argument.name.ljust(width)
-            fixed = f"fixed {c.argument.fixed_value}: {c.argument.fixed}"
+            where = f" ({c.argument.shape})" if c.argument.shape else ""
+            fixed = f"fixed {c.argument.fixed_value}{where}: {c.argument.fixed}"
             if c.argument.value is None:
                 lines.append(f"    {name}  {fixed}")
                 continue
@@ -443,3 +524,22 @@ def audit_lines(items: Iterable[Case | Mapping[str, Any] | Any],
             note = f" ({fixed})" if c.argument.fixed else ""
             lines.append(f"    {name}  {flag}{len(c.values)} value(s): {shown}{more}{note}")
     return lines
+
+
+def audit_json(items: Iterable[Case | Mapping[str, Any] | Any],
+               backends: Sequence[str | Backend],
+               device: torch.device | None = None) -> dict[str, Any]:
+    """The audit as JSON: per backend with a known kernel, the cases it ran and, per argument
+    (then per size of :data:`DIMENSIONS`), its value labels, ``fixed`` (value, reason and
+    where a size sits in the shapes, or ``None``) and whether it is blind."""
+    items = list(items)
+    out: dict[str, Any] = {"cases": len(items), "backends": {}}
+    for c in audit(items, backends, device):
+        entry = out["backends"].setdefault(c.backend, {"kernel": c.kernel, "cases": c.cases,
+                                                       "arguments": []})
+        a = c.argument
+        fixed = {"value": a.fixed_value, "reason": a.fixed, "shape": a.shape} if a.fixed \
+            else None
+        entry["arguments"].append({"name": a.name, "values": [_label(v) for v in c.values],
+                                   "fixed": fixed, "blind": c.blind})
+    return out

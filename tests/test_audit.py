@@ -13,7 +13,17 @@ from difftest.cases.capabilities import Capabilities
 from difftest.cases.corpus import load_corpus
 from difftest.cases.generate import generated_cases
 
-from difftest.audit import KERNELS, audit, audit_lines, blind_spots, kernel_of
+from difftest.audit import (
+    DIMENSIONS,
+    KERNELS,
+    Argument,
+    audit,
+    audit_json,
+    audit_lines,
+    blind_spots,
+    kernel_of,
+)
+from difftest.case import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, CaseError
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.registry import discover, select
 
@@ -127,3 +137,83 @@ def test_lines_show_values_fixed_reasons_and_unknown_backends() -> None:
     assert "  torch-ref: no kernel signature known to the audit" in lines
     assert any(line.split()[0] == "query_length" and "fixed 1:" in line for line in lines[2:])
     assert any(line.split()[0] == "compute_type" and "value(s):" in line for line in lines[2:])
+
+
+# The sizes the case model holds (difftest/case.py validate), by kernel: which each kernel
+# reads from its tensors (minimax-m3-sparse-decode.md sections 1, 3, 5).
+HELD = {"head_dim": str(HEAD_DIM), "page_size": str(PAGE_SIZE), "block_size": str(BLOCK_SIZE),
+        "num_kv_heads": "1"}
+SIZES_BY_KERNEL = {
+    "unified_attention": {"head_dim", "page_size", "block_size", "num_kv_heads"},
+    "minimax_m3_sparse_attn_decode": {"head_dim", "block_size"},  # kv_cache [B, nkv, 128, 2D]
+    "minimax_m3_sparse_attn_decode_aiter": {"head_dim", "page_size", "block_size"},
+    "pa_decode_gluon": {"head_dim", "page_size", "block_size", "num_kv_heads"},
+}
+
+
+@pytest.mark.parametrize("size", ["head_dim", "page_size", "block_size"])
+def test_the_case_model_holds_each_size_the_audit_lists_as_fixed(size: str) -> None:
+    """Each held size is one value in the case model; a case with another is refused."""
+    case = load_corpus()[0]
+    with pytest.raises(CaseError, match=size):
+        case.replace(**{size: int(HELD[size]) * 2})
+
+
+def test_sizes_read_from_shapes_are_listed_as_fixed_with_reasons_and_where() -> None:
+    """head dim 128, page size 16, block size 128 (and one KV head where it is in a shape)
+    are fixed entries of every kernel that reads them, with the arguments that carry them,
+    in the text and the JSON as num_kv_heads is."""
+    assert {k: {a.name for a in sizes} for k, sizes in DIMENSIONS.items()} == SIZES_BY_KERNEL
+    signature_names = {k: {a.name for a in args} for k, args in KERNELS.items()}
+    for kernel, sizes in DIMENSIONS.items():
+        for size in sizes:
+            assert size.fixed_value == HELD[size.name] and size.value is None, size
+            assert len(size.fixed) > 40 and size.shape, size
+            carried = {part.split(".")[0].split()[0] for part in
+                       size.shape.replace(";", ",").split(",")}
+            assert carried & signature_names[kernel], (kernel, size.name, size.shape)
+    case = load_corpus()[0]
+    names = list(DEFAULT_CPU_BACKENDS)
+    lines = audit_lines([case], names)
+    report = audit_json([case], names)
+    assert report["cases"] == 1
+    for name in names:
+        kernel = kernel_of(name)
+        entries = {e["name"]: e for e in report["backends"][name]["arguments"]}
+        assert report["backends"][name]["kernel"] == kernel
+        assert [e for e in entries if e in HELD] == [
+            a.name for a in KERNELS[kernel] + DIMENSIONS[kernel] if a.name in HELD]
+        for size in DIMENSIONS[kernel]:
+            entry = entries[size.name]
+            assert entry["fixed"] == {"value": HELD[size.name], "reason": size.fixed,
+                                      "shape": size.shape}
+            assert entry["values"] == [] and not entry["blind"]
+    for kernel, size in [("unified_attention", "page_size"),
+                         ("minimax_m3_sparse_attn_decode", "head_dim"),
+                         ("pa_decode_gluon", "block_size")]:
+        (argument,) = [a for a in DIMENSIONS[kernel] if a.name == size]
+        assert any(line.split()[0] == size and f"fixed {HELD[size]} ({argument.shape}): "
+                   f"{argument.fixed}" in line for line in lines)
+    assert not any(c.argument.name in HELD for c in blind_spots(load_corpus(), names))
+
+
+def test_an_accepted_size_without_a_reason_that_took_one_value_is_still_blind(
+        monkeypatch) -> None:
+    """Documenting sizes as fixed must not weaken the check: a size (or any argument) the
+    kernel accepts that took a single value and has no reason is a blind spot, in the list,
+    the text and the JSON; a second value lifts it."""
+    undocumented = Argument("head_dim", lambda c: c.head_dim, shape="q.shape[2]")
+    monkeypatch.setitem(DIMENSIONS, "unified_attention", (undocumented,))
+    case = load_corpus()[0]
+    assert "head_dim" in {c.argument.name for c in blind_spots([case], ["triton-unified"])}
+    (line,) = [line for line in audit_lines([case], ["triton-unified"])
+               if line.split()[0] == "head_dim"]
+    assert f"BLIND 1 value(s): {HEAD_DIM}" in line
+    (entry,) = [e for e in audit_json([case], ["triton-unified"])["backends"][
+        "triton-unified"]["arguments"] if e["name"] == "head_dim"]
+    assert entry == {"name": "head_dim", "values": [str(HEAD_DIM)], "fixed": None,
+                     "blind": True}
+    varied = Argument("head_dim", lambda c: c.seed % 2)  # a stand-in for a second head dim
+    monkeypatch.setitem(DIMENSIONS, "unified_attention", (varied,))
+    assert "head_dim" not in {c.argument.name for c in blind_spots(
+        [case, case.replace(seed=case.seed + 1)], ["triton-unified"])}
