@@ -10,10 +10,18 @@ full block attended once per copy; every lane that selects the row's own block i
 *tail*, placed once after the full blocks and truncated at the causal limit. Page ids are
 ``block_table[blk] * block_page_stride + j`` for ``j < 8``; the rest of the row is zero.
 
-:func:`portable_decode_rows` is how vLLM's portable Triton decode
-(``minimax_m3_sparse_attn_decode``) reads the same lanes instead: only the first
-``min(topk, self_blk + 1)`` lanes, every valid copy counted, the tail's too (finding F4);
-:func:`portable_reading_differs` says whether that changes what some row attends.
+Two vLLM kernels read some irregular rows differently, and each reading is modelled here so
+that the backend can refuse exactly the cases where it changes what a row attends:
+
+* :func:`portable_decode_rows`: vLLM's portable Triton decode
+  (``minimax_m3_sparse_attn_decode``) reads only the first ``min(topk, self_blk + 1)`` lanes,
+  every valid copy counted, the tail's too (finding F4);
+* :func:`aiter_table_rows`: vLLM's AITER table builder cuts the context of a row that
+  selects no lane of its own block at the row's causal length, so duplicated full blocks
+  worth more tokens than that are cut short (finding F14).
+
+:func:`reading_differs` says which rows such a reading changes; :func:`portable_reading_differs`
+and :func:`aiter_table_differs` apply it.
 """
 
 from __future__ import annotations
@@ -120,7 +128,15 @@ def rows_are_dense(case: Case, request: int) -> bool:
 
 
 def _attended(case: Case, row: SparseRow) -> list[tuple[int, int]]:
-    return sorted((seg.block, seg.tokens) for seg in row.segments)
+    return sorted((seg.block, seg.tokens) for seg in row.segments if seg.tokens)
+
+
+def reading_differs(case: Case, reading: tuple[SparseRow, ...]) -> list[int]:
+    """The rows whose attended tokens differ between the declared semantics
+    (:func:`build_rows`) and ``reading`` (one :class:`SparseRow` per query row), compared as
+    multisets of ``(block, tokens)`` segments: attention does not depend on their order."""
+    return [n for n, (ours, theirs) in enumerate(zip(build_rows(case), reading, strict=True))
+            if _attended(case, ours) != _attended(case, theirs)]
 
 
 def portable_decode_rows(case: Case) -> tuple[SparseRow, ...]:
@@ -143,11 +159,40 @@ def portable_decode_rows(case: Case) -> tuple[SparseRow, ...]:
 
 
 def portable_reading_differs(case: Case) -> list[int]:
-    """The rows whose attended tokens differ between the declared semantics
-    (:func:`build_rows`) and :func:`portable_decode_rows` (as multisets of segments)."""
-    return [n for n, (ours, theirs) in enumerate(zip(build_rows(case),
-                                                     portable_decode_rows(case), strict=True))
-            if _attended(case, ours) != _attended(case, theirs)]
+    """The rows :func:`portable_decode_rows` reads differently (:func:`reading_differs`)."""
+    return reading_differs(case, portable_decode_rows(case))
+
+
+def aiter_table_rows(case: Case) -> tuple[SparseRow, ...]:
+    """Every row as vLLM's ``_build_sparse_block_table_kernel`` (``amd/ops/sparse_pa.py``)
+    builds its table and context length: the blocks of :func:`build_rows` in the same slots,
+    but where no lane selects the row's own block the context is ``min(n_valid * 128,
+    causal_len)`` (``n_valid``: the valid lanes, duplicates counted) instead of
+    ``n_valid * 128``, and the kernel attends the first ``context`` tokens of the slots.
+    Unique full blocks never reach the causal length, so only duplicated ones are cut: the
+    copies past it keep their slot (and its 8 pages in the table) with fewer tokens, possibly
+    none (finding F14). Rows that select their own block are the declared ones."""
+    rows = []
+    for row in build_rows(case):
+        causal_len = max(row.abs_pos + 1, 0)
+        own = row.abs_pos // case.block_size
+        if row.segments and row.segments[-1].block == own:  # the tail: the declared context
+            rows.append(row)
+            continue
+        left = min(row.context_len, causal_len)
+        segments = []
+        for seg in row.segments:
+            segments.append(Segment(seg.block, seg.physical_block, min(seg.tokens, left)))
+            left -= segments[-1].tokens
+        rows.append(SparseRow(row.request, row.abs_pos, tuple(segments)))
+    return tuple(rows)
+
+
+def aiter_table_differs(case: Case) -> list[int]:
+    """The rows :func:`aiter_table_rows` reads differently (:func:`reading_differs`): rows
+    without a lane on their own block whose valid lanes hold more tokens than the causal
+    length."""
+    return reading_differs(case, aiter_table_rows(case))
 
 
 def kernel_sequences(case: Case) -> list[tuple[int, int]]:
