@@ -12,7 +12,12 @@ inside :func:`difftest.backends.pa_decode_gluon_emulator.installed_as_aiter`, on
 builder runs under the Triton interpreter on CPUs); option ``revision`` picks the emulated
 contract (``vllm-aiter@emulated[revision=v0.1.20]``), and the arch follows the case's fp8
 flavour as for ``aiter-gluon@emulated``. Declared capabilities are those of
-:mod:`difftest.backends.aiter_gluon`.
+:mod:`difftest.backends.aiter_gluon`, and one of vLLM's builder: a row that selects no lane of
+its own block and whose valid lanes (duplicates counted) hold more tokens than its causal
+length gets the causal length as its context, which cuts duplicated blocks short where the
+declared semantics attends every copy (finding F14, :func:`difftest.sparse_table.aiter_table_rows`;
+vLLM assumes the indexer selects each row's own block). A case with such a row is
+unsupported unless the option ``irregular=accept`` forces it through (then it disagrees).
 """
 
 from __future__ import annotations
@@ -38,10 +43,29 @@ from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.registry import OptionSpec
+from difftest.sparse_table import aiter_table_differs, selection_is_canonical
 
-REAL_OPTIONS = OptionSpec("vllm-aiter", {})
+IRREGULAR = {"irregular": ("refuse", "accept")}
+REAL_OPTIONS = OptionSpec("vllm-aiter", IRREGULAR)
 EMULATED_VLLM_OPTIONS = OptionSpec("vllm-aiter@emulated",
-                                   {"revision": EMULATED_OPTIONS.choices["revision"]})
+                                   {"revision": EMULATED_OPTIONS.choices["revision"], **IRREGULAR})
+
+
+def cut_short_reason(case: Case, rows: list[int], accepting: str) -> str:
+    """Why a case whose ``rows`` vLLM's builder cuts short is refused (finding F14): the
+    first row and its numbers, the others by index, the rule, and ``accepting`` (the
+    backend name that runs it anyway)."""
+    n = rows[0]
+    abs_pos = case.abs_pos(n)
+    own = abs_pos // case.block_size
+    lanes = sum(0 <= b <= own for b in case.selections[n])
+    others = f" (also rows {', '.join(map(str, rows[1:]))})" if rows[1:] else ""
+    return (f"row {n} (position {abs_pos}) selects no lane of its own block {own}, and its "
+            f"{lanes} valid lanes hold {lanes * case.block_size} tokens, more than its causal "
+            f"length {abs_pos + 1}{others}: vLLM's _build_sparse_block_table_kernel sets such "
+            "a row's context to min(valid lanes x 128, causal length), which cuts duplicated "
+            "blocks short where the declared semantics attends every copy (finding F14; vLLM "
+            f"assumes the indexer selects each row's own block); {accepting} runs it anyway")
 
 
 class VllmAiter(GluonCaller):
@@ -57,6 +81,17 @@ class VllmAiter(GluonCaller):
         if self.emulated or not triton.available:
             return triton
         return aiter_availability()
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """What ``pa_decode_gluon`` refuses; then rows vLLM's builder cuts short (F14)."""
+        reason = super().unsupported_reason(case, device)
+        if (reason is None and self.options["irregular"] == "refuse"
+                and not selection_is_canonical(case)):
+            rows = aiter_table_differs(case)
+            if rows:
+                accepting = self.with_options({**self.options, "irregular": "accept"})
+                return cut_short_reason(case, rows, accepting.name)
+        return reason
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
         """From the splits vLLM asks for (``get_recommended_splits(total_q, 1)``)."""
