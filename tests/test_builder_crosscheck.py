@@ -1,10 +1,13 @@
 """vLLM's MiniMax-M3 sparse block-table builder against the framework's (difftest.sparse_table).
 
 ``minimax_m3_build_sparse_block_table_decode`` (vLLM's Triton kernel, interpreted on CPUs)
-and :func:`difftest.sparse_table.page_table` must give the same context length per row and
+and :func:`difftest.sparse_table.page_table` of :func:`~difftest.sparse_table.aiter_table_rows`
+(the declared rows, except those F14 cuts short) must give the same context length per row and
 the same page ids for every block a row attends (full blocks in top-k order, then the tail),
 with the row zero-filled from ``n_valid * 8`` on, at either block page stride (16 packed
-LBHNC, 8 dense LHBNC). vLLM's table starts as ``torch.empty``; here it starts as a sentinel,
+LBHNC, 8 dense LHBNC); and the rows whose context differs from the declared one must be
+exactly those :func:`~difftest.sparse_table.aiter_table_differs` names (the rows
+``vllm-aiter`` refuses). vLLM's table starts as ``torch.empty``; here it starts as a sentinel,
 which shows exactly what vLLM leaves undefined: for a tail selected by ``k > 1`` lanes the
 ``k - 1`` slots after the tail are never written (harmless, they lie past the context).
 """
@@ -21,7 +24,7 @@ from hypothesis import example, given, settings
 
 from difftest.backend import RunInputs
 from difftest.case import Case
-from difftest.sparse_table import build_rows, page_table
+from difftest.sparse_table import aiter_table_differs, aiter_table_rows, build_rows, page_table
 
 SENTINEL = -7
 
@@ -61,18 +64,24 @@ IRREGULAR = Case(  # duplicated tail (x3), a future block, -1 holes, a padded re
     selections=((2, 9, 2, -1, 0, 2), (0, -1, -1, -1, -1, -1), (1, 0, 1, -1, 3, -1),
                 (0, 0, -1, 1, -1, -1), (-1, -1, -1, -1, -1, -1), (1, -1, 0, 1, 1, 5)),
     decode_query_len=2)
+CUT_SHORT = Case(  # F14: rows without their own block whose duplicates pass the causal length
+    num_blocks=16, seq_lens=(129, 300), block_tables=((1, 2), (3, 4, 5)),
+    selections=((0, 0, -1), (0, 0, 0), (1, 1, 0), (1, -1, 1)), decode_query_len=2)
 
 
 @settings(max_examples=40)
-@given(case=cases(max_topk=16))
+@given(case=cases(max_topk=16, kernel_modes=False))  # vllm-aiter runs no kernel mode
 @example(case=IRREGULAR)
 @example(case=IRREGULAR.replace(kv_layout="LHBNC"))
+@example(case=CUT_SHORT)
 def test_vllm_builder_matches_the_framework(sparse_pa, case: Case) -> None:
     module, device = sparse_pa
     table, ctx = vllm_table(module, case, device)
-    rows = build_rows(case)
+    rows = aiter_table_rows(case)
     expected_table, expected_ctx = page_table(case, rows)
     assert torch.equal(ctx, expected_ctx), (ctx.tolist(), expected_ctx.tolist())
+    _, declared_ctx = page_table(case, build_rows(case))
+    assert (ctx != declared_ctx).nonzero().flatten().tolist() == aiter_table_differs(case)
     width = case.topk * case.pages_per_side
     assert table.shape == (case.total_q, width)
     for n, row in enumerate(rows):
