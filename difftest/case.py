@@ -236,16 +236,19 @@ class Case:
 
     # ----- serialisation ----------------------------------------------------------------
     def _content(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.pop("name")
-        for mode, off in MODE_DEFAULTS.items():
-            if data[mode] == off:
-                data.pop(mode)
-        if "query_lens" in data:
-            data["query_lens"] = list(self.query_lens)
-        data["seq_lens"] = list(self.seq_lens)
-        data["block_tables"] = [list(r) for r in self.block_tables]
-        data["selections"] = [list(r) for r in self.selections]
+        """Every field but ``name`` in field order, modes at their off value left out, tuples
+        as (fresh) lists. Built field by field: ``dataclasses.asdict`` deep-copied every
+        table entry (8192 at production shape, 3-20 ms per call)."""
+        data: dict[str, Any] = {}
+        for name in _CONTENT_FIELDS:
+            value = getattr(self, name)
+            if name in MODE_DEFAULTS and value == MODE_DEFAULTS[name]:
+                continue
+            if name in ("block_tables", "selections"):
+                value = [list(row) for row in value]
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[name] = value
         return data
 
     def to_dict(self) -> dict[str, Any]:
@@ -284,6 +287,10 @@ class Case:
     def replace(self, **changes: Any) -> Case:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+_CONTENT_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Case)
+                                        if f.name != "name")
 
 
 def _check_int(name: str, value: int, low: int, high: int) -> None:
