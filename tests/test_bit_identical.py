@@ -7,6 +7,10 @@ today, docs/findings.md F11), the sha256 of every input a backend reads (query, 
 both caches, the sparse table) and the verdicts of two cache-reading kernels judged against
 the old float64 reference: their status, mismatch count and greatest error/tolerance.
 
+Re-recorded with ``--reverdict`` (same cases, inputs checked unchanged) when the tolerance's
+logit term became ``expm1(2 delta)`` (docs/findings.md F15): the verdicts are those of the
+rewritten code under the corrected tolerance model.
+
 Now: the same inputs bit for bit (so every backend's output is unchanged: a backend is a
 function of its inputs), and the same verdicts against the new reference. ``scaled`` is the
 emulated kernel's output times ``1 + 128 u`` (``u``: the query dtype's unit roundoff): its
@@ -116,6 +120,18 @@ def record(path: Path = RECORD) -> None:
                                separators=(",", ":")) + "\n")
 
 
+def reverdict(path: Path = RECORD) -> None:
+    """Recompute the verdicts of the recorded cases after a deliberate change of the tolerance
+    model, keeping the cases; their inputs must still be bit-identical."""
+    recorded = json.loads(path.read_text())
+    for entry in recorded["entries"]:
+        inputs = RunInputs(Case.from_dict(entry["case"]), CPU)
+        if input_digests(inputs) != entry["inputs"]:
+            raise SystemExit(f"inputs of case {entry['case']['id']} changed: not re-recorded")
+        entry["verdicts"] = verdicts(inputs)
+    path.write_text(json.dumps(recorded, separators=(",", ":")) + "\n")
+
+
 def _entries() -> list[dict[str, Any]]:
     """The corpus, then the generated cases: all 200 when the profile draws that many
     (nightly), else the profile's ``max_examples`` with the smallest caches (CI: 25)."""
@@ -154,6 +170,8 @@ def test_record_holds_corpus_and_generated_cases() -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="record test_bit_identical.json")
-    parser.add_argument("--record", action="store_true", required=True)
-    parser.parse_args()
-    record()
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--record", action="store_true", help="draw and record afresh")
+    mode.add_argument("--reverdict", action="store_true",
+                      help="recompute the recorded cases' verdicts (tolerance model changed)")
+    (reverdict if parser.parse_args().reverdict else record)()

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from difftest.backends.torch_ref import TorchReference
 
 from difftest.backend import Precision
+from difftest.casefile import read_case
 from difftest.dtypes import underflow_unit
+from difftest.registry import discover
+from difftest.runner import Status, run_case
 from difftest.tolerance import FACTOR, Reference, Tolerance
 
 
@@ -28,3 +34,34 @@ def test_normal_range_outputs_keep_a_relative_bound() -> None:
     tolerance = Tolerance(Precision("float16", "float16", "float16"))
     bound = float(tolerance.bound(_reference(1.0)))
     assert abs(bound - FACTOR * (3 * 2.0**-11 + 2.0**-25)) < 1e-15
+
+
+def test_logits_moved_far_move_weights_exponentially_and_the_bound_follows() -> None:
+    """F15: a row dominated by one token whose value is 0; every logit moved by ``delta``
+    (the bound's logit error) multiplies the other weights by up to ``exp(2 delta)``. The
+    exact change stays inside the bound, which a linear ``2 delta`` term would not cover."""
+    logits = torch.tensor([0.0, -25.0, -27.0], dtype=torch.float64)
+    values = torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64)
+    p = torch.softmax(logits, 0)
+    precision = Precision("float16", "float16", "float32")
+    delta = 2 * 2.0**-11 * 3.0 * 900.0  # the tolerance's logit error for magnitude 900: 2.64
+    moved = torch.softmax(logits + torch.tensor([-delta, delta, delta], dtype=torch.float64), 0)
+    error = float((moved - p) @ values)
+    out = (p @ values).reshape(1, 1, 1)
+    reference = Reference(out, (p @ values.abs()).reshape(1, 1, 1),
+                          torch.full((1, 1), 900.0, dtype=torch.float64),
+                          torch.ones(1, dtype=torch.int32))
+    bound = float(Tolerance(precision).bound(reference))
+    linear = FACTOR * 2 * delta * float(reference.abs_output)
+    assert linear < abs(error) <= bound
+
+
+def test_the_emulated_aiter_paths_agree_on_the_f15_case() -> None:
+    """The stretch's case (docs/data/fp-emulator-fp8-probability-underflow.json): the
+    kernel's fp8 rounding of q moves logits of magnitude 147 by up to 4.9 and multiplies the
+    non-dominant weights by 5000; within the corrected bound."""
+    case = read_case(Path(__file__).parents[1] / "docs/data"
+                     / "fp-emulator-fp8-probability-underflow.json")
+    backend = discover()["aiter-gluon@emulated"]
+    result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.AGREE, result.results[0].detail
