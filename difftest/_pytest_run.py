@@ -44,7 +44,7 @@ from hypothesis.strategies import SearchStrategy
 
 from difftest import devices, pinning
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, promote_command, repro_command
-from difftest.audit import audit_lines
+from difftest.audit import audit_json, audit_lines
 from difftest.case import Case
 from difftest.cases.capabilities import Capabilities
 from difftest.fingerprint import fingerprint
@@ -462,8 +462,15 @@ class DifftestRun:
             "hypothesis_profile": profile}, xdist=self.role == "controller")
         if self.earlier_crashes:
             self.report["earlier_crashes"] = [c.to_dict() for c in self.earlier_crashes]
+        self.report["config"]["audit"] = audit_json(self.report["cases"], self._tested())
         if path:
             write_report(path, self.report)
+
+    def _tested(self) -> list[str]:
+        """The report's backends under test (every backend but the reference)."""
+        assert self.report is not None
+        return [name for name in self.report["backends"]
+                if name != self.report["config"].get("reference")]
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Agreement matrix, cases per backend, worst cases, failures and crashes."""
@@ -475,11 +482,9 @@ class DifftestRun:
                                         f"{pinning.describe(entry['gpu_env'])}, "
                                         f"{entry['cases']} cases")
         terminalreporter.write_line(summary(self.report))
-        tested = [name for name in self.report["backends"]
-                  if name != self.report["config"].get("reference")]
         for writer, line in self.generation:
             terminalreporter.write_line(f"generation ({writer}): {line}")
-        for line in audit_lines(self.report["cases"], tested):
+        for line in audit_lines(self.report["cases"], self._tested()):
             terminalreporter.write_line(line)
         path = self.config.getoption("--difftest-report")
         if path:

@@ -160,7 +160,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
-    from difftest.audit import audit_lines
+    from difftest.audit import audit_json, audit_lines
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.generate import generated_cases
@@ -200,6 +200,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                  "generation": capabilities.lines()}
     report = build_report(session.records, session.backend_entries(), config,
                           session.environment, earlier_crashes=earlier)
+    report["config"]["audit"] = audit_json(report["cases"], session.backends, session.device)
     print(summary(report))
     for line in capabilities.lines():
         print(f"generation: {line}")

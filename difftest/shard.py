@@ -73,8 +73,9 @@ def comparable_case(record: CaseRecord) -> str:
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A report's config without the shard (which differs between shards by design)."""
-    return {k: v for k, v in config.items() if k not in ("shard", "workers")}
+    """A report's config without the shard and the audit of its cases (which differ between
+    shards by design)."""
+    return {k: v for k, v in config.items() if k not in ("shard", "workers", "audit")}
 
 
 def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
@@ -137,6 +138,10 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         "cases": [cases[k].to_dict() for k in sorted(cases)],
         "merged_from": merged_from,
     }
+    if any("audit" in report["config"] for _, report in reports):  # of the joined case set
+        from difftest.audit import audit_json
+
+        merged["config"]["audit"] = audit_json(merged["cases"], merged["config"]["backends"])
     crashes = [c.to_dict() for _, report in reports
                for c in case_records(report, "earlier_crashes")]
     if crashes:  # failures of the shards' machines; the gate must still see them

@@ -176,3 +176,7 @@ def test_run_draws_what_its_backends_run_and_prints_the_parameter_audit(
     assert "generation: not drawn for aiter-gluon@emulated: query float32" in out
     assert "parameter coverage over 3 cases" in out
     assert "aiter-gluon@emulated -> pa_decode_gluon (3 cases ran)" in out
+    audited = report["config"]["audit"]["backends"]["aiter-gluon@emulated"]
+    assert audited["kernel"] == "pa_decode_gluon" and audited["cases"] == 3
+    fixed = {a["name"]: a["fixed"] for a in audited["arguments"] if a["fixed"]}
+    assert fixed and all(f["reason"] for f in fixed.values())  # documented with reasons

@@ -200,7 +200,9 @@ def test_pytest_shards_cover_the_cases_without_overlap(tmp_path: Path) -> None:
         done = _pytest(tmp_path, "--difftest-shard", f"{k}/2", "--difftest-report",
                        f"shard-{k}.json")
         assert done.returncode == 0, done.stdout + done.stderr
-        cases = read_report(tmp_path / f"shard-{k}.json")["cases"]
+        report = read_report(tmp_path / f"shard-{k}.json")
+        cases = report["cases"]
+        assert report["config"]["audit"]["cases"] == len(cases)  # audited: this shard's cases
         assert all(shard_of(c["case_id"], 2) == k - 1 for c in cases)
         pinned.append({c["case_id"] for c in cases if "test_pinned" in c["nodeid"]})
         generated = [c for c in cases if "test_generated" in c["nodeid"]]
