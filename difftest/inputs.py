@@ -92,9 +92,27 @@ def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
     return real.to(dtype)
 
 
-def _segment_table(case: Case, rows: tuple[SparseRow, ...]
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(blocks, written, table, context_lens)``, int64, from one pass over the rows.
+@dataclass(frozen=True)
+class HostTables:
+    """The host-side part of :func:`generate`: everything it derives from the rows, in numpy
+    and Python, before any device work (so it can be built ahead, while another case's
+    kernels run; :mod:`difftest.runner`).
+
+    ``packed`` is ``blocks, written, table, context_lens`` (int64) in one array for one
+    host-to-device copy; ``table_shape`` is the table's ``[3, total_q, width]``.
+    """
+
+    packed: np.ndarray
+    num_blocks: int
+    table_shape: tuple[int, int, int]
+    physical_blocks: tuple[int, ...]
+    valid_tokens: tuple[int, ...]
+    slot_of: dict[int, int]
+
+
+def host_tables(case: Case, rows: tuple[SparseRow, ...]) -> HostTables:
+    """The attended blocks, their written tokens and every row's segment table, from one
+    pass over ``rows``.
 
     ``blocks``: the attended physical blocks, ascending; ``written[i]``: tokens its request
     wrote in ``blocks[i]``; ``table``: ``[3, total_q, width]`` slots, tokens and starts.
@@ -116,30 +134,38 @@ def _segment_table(case: Case, rows: tuple[SparseRow, ...]
     starts = before - before[first[row]]
     table = np.zeros((3, case.total_q, int(counts.max()) if row.size else 0), dtype=np.int64)
     table[:, row, position] = np.stack((slot, tokens, starts))
-    return blocks, written, table, table[1].sum(1)
+    physical_blocks = tuple(blocks.tolist())
+    return HostTables(
+        packed=np.concatenate((blocks, written, table.ravel(), table[1].sum(1))),
+        num_blocks=blocks.size,
+        table_shape=(3, case.total_q, table.shape[2]),
+        physical_blocks=physical_blocks,
+        valid_tokens=tuple(written.tolist()),
+        slot_of={b: i for i, b in enumerate(physical_blocks)},
+    )
 
 
 def generate(case: Case, rows: tuple[SparseRow, ...],
-             device: str | torch.device = "cpu") -> CaseData:
+             device: str | torch.device = "cpu", tables: HostTables | None = None) -> CaseData:
     """Generate the query and the K/V of every attended block, bit-identically on any device.
 
     Blocks no row attends get no data: their pages are NaN canaries in the cache.
+    ``tables``: :func:`host_tables` of ``case`` and ``rows`` if the caller built them ahead.
     """
     device = torch.device(device)
+    host = tables if tables is not None else host_tables(case, rows)
     per_row = case.num_q_heads * case.head_dim
     q_rows = torch.arange(case.total_q, device=device)
     query = _draw(case.seed, _QUERY, q_rows, per_row, case.distribution)
-    blocks, written, table, ctx = _segment_table(case, rows)
     # one host-to-device copy for every table
-    packed = torch.from_numpy(np.concatenate((blocks, written, table.ravel(), ctx))).to(device)
-    block_ids, written_d, table_d, ctx_d = packed.split(
-        (blocks.size, blocks.size, table.size, ctx.size))
-    table_d = table_d.view(table.shape)
+    packed = torch.from_numpy(host.packed).to(device)
+    n, (_, total_q, width) = host.num_blocks, host.table_shape
+    block_ids, written_d, table_d, ctx_d = packed.split((n, n, 3 * total_q * width, total_q))
+    table_d = table_d.view(host.table_shape)
     per_block = case.block_size * case.num_kv_heads * case.head_dim
-    shape = (blocks.size, case.block_size, case.num_kv_heads, case.head_dim)
+    shape = (n, case.block_size, case.num_kv_heads, case.head_dim)
     k_real = _draw(case.seed, _KEY, block_ids, per_block, case.distribution).view(shape)
     v_real = _draw(case.seed, _VALUE, block_ids, per_block, case.distribution).view(shape)
-    physical = tuple(blocks.tolist())
     query = query.view(case.total_q, case.num_q_heads, case.head_dim)
     if case.q_scale:  # fp8 queries: the real query stored * q_scale, exact in float64
         query = quantize(query, case.kv_dtype, case.q_scale).to(torch.float64) * case.q_scale
@@ -147,9 +173,9 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
         query=query if case.q_scale else query.to(torch_dtype(case.query_dtype)),
         k_stored=quantize(k_real, case.kv_dtype, case.k_scale),
         v_stored=quantize(v_real, case.kv_dtype, case.v_scale),
-        physical_blocks=physical,
-        valid_tokens=tuple(written.tolist()),
-        slot_of={b: i for i, b in enumerate(physical)},
+        physical_blocks=host.physical_blocks,
+        valid_tokens=host.valid_tokens,
+        slot_of=host.slot_of,
         block_ids=block_ids,
         written=written_d,
         segments=Segments(table_d[0], table_d[1], table_d[2], ctx_d),

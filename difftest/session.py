@@ -8,7 +8,7 @@ session owns the artifact store: it puts each case on disk before the engine
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
 from difftest.records import CaseRecord
 from difftest.report import backend_entry
-from difftest.runner import CaseResult, run_case
+from difftest.runner import CaseResult, Preparation, run_case
 from difftest.sparse_table import SparseRow
 from difftest.tolerance import Reference
 
@@ -117,16 +117,41 @@ class Session:
         """Run one case on every backend under test, or on those named in ``backends`` (a
         fitted run, :meth:`difftest.cases.capabilities.Capabilities.fit`); the case is on
         disk while it runs and its failure stored. Keeps its result and record."""
+        return self._run(case, backends, None, None)
+
+    def run_all(self, runs: Iterable[tuple[Case, Iterable[str] | None]]
+                ) -> Iterator[CaseResult]:
+        """:meth:`run` each ``(case, backends)`` in order, yielding each result as it is
+        recorded, with a small pipeline: while one case's device work runs (each stage's
+        synchronisation), the next case's host-side inputs are prepared
+        (:class:`difftest.runner.Preparation`: rows, segment tables, features; no device
+        work, so each case is still on disk before any kernel of it starts, and one case at
+        a time is in flight). The results and records are those of :meth:`run`."""
+        pending = iter(runs)
+        current = next(pending, None)
+        prepared = None if current is None else Preparation(current[0], self.device)
+        while current is not None:
+            following = next(pending, None)
+            ahead = None if following is None else Preparation(following[0], self.device)
+            yield self._run(current[0], current[1], prepared,
+                            None if ahead is None else ahead.step)
+            current, prepared = following, ahead
+
+    def _run(self, case: Case, backends: Iterable[str] | None,
+             prepared: Preparation | None, idle: Callable[[], bool] | None) -> CaseResult:
         chosen = self.backends if backends is None else self.chosen(backends)
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
         reference = ObservedReference(self.reference, self.store)
         result = run_case(case, reference, [ObservedBackend(b, self.store) for b in chosen],
-                          self.device)
+                          self.device, prepared, idle)
         # The case as begin serialised it and the features from generation's rows: neither
         # is built twice (at production shape each cost about 10 to 25 ms per case).
-        record = result.record(
-            self.store.outputs(case), case=self.store.case_dict(case),
-            features=None if reference.rows is None else case_features(case, reference.rows))
+        features = None
+        if reference.rows is not None:
+            features = (prepared.features if prepared is not None and prepared.features
+                        is not None else case_features(case, reference.rows))
+        record = result.record(self.store.outputs(case), case=self.store.case_dict(case),
+                               features=features)
         result.artifact = self.store.finish(case, record)
         self.results.append(result)
         self.records.append(record)

@@ -1,0 +1,209 @@
+"""The pipelined session (issue 11): the same records as running case by case.
+
+:meth:`difftest.session.Session.run_all` prepares the next case's host-side inputs
+(:class:`difftest.runner.Preparation`) while the current case runs. These tests show that the
+records, verdicts and messages are those of :meth:`Session.run` case by case, that the
+preparation really happens while the previous case is in flight, and that no case's data is
+generated before its pending file is on disk. Also: :meth:`Case.to_dict`'s content, built
+field by field, is the ``dataclasses.asdict`` formulation it replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
+from hypothesis import given
+
+from benchmarks.throughput import production_case
+from difftest import inputs, runner
+from difftest.case import MODE_DEFAULTS, Case
+from difftest.session import Session
+
+NAN_PLUGIN = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"
+BACKENDS = ["aiter-gluon@emulated", "nan-out"]
+
+
+def asdict_content(case: Case) -> dict[str, Any]:
+    """The content as ``Case._content`` computed it before (``dataclasses.asdict``)."""
+    data = dataclasses.asdict(case)
+    data.pop("name")
+    for mode, off in MODE_DEFAULTS.items():
+        if data[mode] == off:
+            data.pop(mode)
+    if "query_lens" in data:
+        data["query_lens"] = list(case.query_lens)
+    data["seq_lens"] = list(case.seq_lens)
+    data["block_tables"] = [list(r) for r in case.block_tables]
+    data["selections"] = [list(r) for r in case.selections]
+    return data
+
+
+def same_content(case: Case) -> None:
+    new, old = case.to_dict(), {"schema": "difftest.case/1", "id": case.case_id,
+                                "name": case.name, **asdict_content(case)}
+    assert json.dumps(new) == json.dumps(old)  # same keys, same order, same values
+    assert Case.from_dict(new) == case
+
+
+def test_the_content_is_the_asdict_one_on_the_corpus_and_at_production_shape() -> None:
+    base = load_corpus()[0]
+    for case in (*load_corpus(), production_case(2),
+                 base.replace(softcap=0.5, sliding_window=7, canary=True)):
+        same_content(case)
+
+
+@given(cases())
+def test_the_content_is_the_asdict_one_on_generated_cases(case: Case) -> None:
+    same_content(case)
+
+
+def test_to_dict_lists_are_fresh() -> None:
+    case = load_corpus()[1]
+    first = case.to_dict()
+    first["selections"][0][0] = -7
+    assert case.to_dict()["selections"][0][0] == case.selections[0][0]
+
+
+def the_runs() -> list[tuple[Case, list[str] | None]]:
+    corpus = load_corpus()
+    runs: list[tuple[Case, list[str] | None]] = [(c, ["aiter-gluon@emulated"]) for c in corpus]
+    runs.insert(2, (corpus[3].replace(name="nan"), ["nan-out"]))  # a disagreement
+    runs.append((corpus[0], None))  # a case seen before, on every backend
+    return runs
+
+
+def comparable(session: Session) -> list[str]:
+    """The session's records without what depends on the run (timings, artifact paths), as
+    JSON (NaN equals NaN there)."""
+    out = []
+    for record in session.records:
+        data = record.to_dict()
+        data.pop("timings")
+        for result in data["results"]:
+            result.pop("seconds")
+        data["artifact"] = data["artifact"] is not None
+        out.append(json.dumps(data))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
+             ) -> tuple[Session, Session, list[tuple[str, Any]]]:
+    """The runs case by case and pipelined, and the pipelined run's log of events."""
+    root = tmp_path_factory.mktemp("pipeline")
+    serial = Session.create(BACKENDS, [NAN_PLUGIN], device=device_name,
+                            artifacts=str(root / "serial"))
+    for case, names in the_runs():
+        serial.run(case, names)
+    piped = Session.create(BACKENDS, [NAN_PLUGIN], device=device_name,
+                           artifacts=str(root / "piped"))
+    log: list[tuple[str, Any]] = []
+    store = piped.store
+    begin, finish = store.begin, store.finish
+
+    def logged_begin(case: Case, names: list[str]) -> Path:
+        log.append(("begin", case.case_id))
+        return begin(case, names)
+
+    def logged_finish(case: Case, record: Any) -> str | None:
+        log.append(("finish", case.case_id))
+        return finish(case, record)
+
+    draw, tables = inputs._draw, runner.host_tables
+
+    def logged_draw(seed: int, *args: Any) -> torch.Tensor:
+        pending = [json.loads(p.read_text())["case"]["seed"]
+                   for p in store.pending_dir.glob("*.json")]
+        log.append(("draw", (seed, pending)))
+        return draw(seed, *args)
+
+    def logged_tables(case: Case, rows: Any) -> Any:
+        log.append(("tables", case.case_id))
+        return tables(case, rows)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(store, "begin", logged_begin)
+        patch.setattr(store, "finish", logged_finish)
+        patch.setattr(inputs, "_draw", logged_draw)
+        patch.setattr(runner, "host_tables", logged_tables)
+        results = list(piped.run_all(the_runs()))
+    assert results == piped.results
+    return serial, piped, log
+
+
+def test_the_pipelined_records_are_the_serial_ones(sessions) -> None:
+    serial, piped, _ = sessions
+    assert comparable(piped) == comparable(serial)
+    assert [r.failure_messages() for r in piped.results] == [
+        r.failure_messages() for r in serial.results]
+    assert any(r.failed for r in piped.results)  # the disagreement is in the comparison
+    assert all("prefetch" not in r.timings for r in serial.results)
+
+
+def test_the_next_case_is_prepared_while_one_runs_and_generated_only_once_on_disk(
+        sessions) -> None:
+    _, piped, log = sessions
+    ids = [case.case_id for case, _ in the_runs()]
+    events = [(kind, what) for kind, what in log if kind != "draw"]
+    assert [w for k, w in events if k == "begin"] == ids
+    assert [w for k, w in events if k == "finish"] == ids
+    # the k-th tables are run k's, built while run k-1 was in flight (run 0's: in its own)
+    # (in its device waits; on the CPU one step per stage, the rest after its last stage)
+    begun, in_flight, built_during = 0, None, []
+    for kind, _ in events:
+        if kind == "begin":
+            in_flight, begun = begun, begun + 1
+        elif kind == "finish":
+            in_flight = None
+        else:
+            built_during.append(in_flight)
+    assert built_during == [0, *range(len(ids) - 1)]
+    assert all("prefetch" in r.timings for r in piped.results[:-1])
+    # every draw of generation happens while exactly its own case is on disk
+    draws = [what for kind, what in log if kind == "draw"]
+    assert draws and all(pending == [seed] for seed, pending in draws)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def test_prepared_inputs_are_bit_identical_to_those_built_lazily() -> None:
+    cpu = torch.device("cpu")
+    base = load_corpus()[0]
+    for case in (*load_corpus(), base.replace(softcap=0.5, sliding_window=7, canary=True)):
+        prepared = runner.Preparation(case, cpu)
+        prepared.finish()
+        assert prepared.tables is not None and prepared.page_table is not None
+        result = runner.run_case(case, _Keep(), [], cpu, prepared)
+        assert "generate" in result.timings, result.results
+        fresh, built = runner.RunInputs(case, cpu), prepared.inputs
+        for name in ("query", "k_stored", "v_stored", "block_ids", "written"):
+            assert torch.equal(bits(getattr(fresh.data, name)), bits(getattr(built.data, name)))
+        for name in ("slots", "tokens", "starts", "context_lens"):
+            assert torch.equal(getattr(fresh.data.segments, name),
+                               getattr(built.data.segments, name))
+        for name in ("physical_blocks", "valid_tokens", "slot_of"):
+            assert getattr(fresh.data, name) == getattr(built.data, name)
+        assert all(torch.equal(a, b) for a, b in zip(fresh.sparse_table, built.sparse_table,
+                                                     strict=True))
+        assert [t.dtype for t in fresh.sparse_table] == [t.dtype for t in built.sparse_table]
+        assert torch.equal(bits(fresh.cache("plain").raw), bits(built.cache("plain").raw))
+        assert prepared.features == runner.case_features(case)
+
+
+class _Keep:
+    """A reference that only asks for the inputs (the test reads them afterwards)."""
+
+    name = "keep"
+    in_page_orders = ()
+
+    def reference(self, inputs: runner.RunInputs) -> None:
+        _ = inputs.data
