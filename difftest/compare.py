@@ -142,7 +142,6 @@ def compare(
     error = torch.where(finite, error, torch.full_like(error, float("inf")))
     ratio = torch.where(active, error / bound, torch.zeros_like(error))
     mismatch = active & ~(error <= bound)
-    nonfinite = int((active & ~finite).sum())
 
     empty = ~active[:, 0, 0]
     violations = torch.zeros_like(empty)
@@ -151,21 +150,30 @@ def compare(
     elif empty_row_output is EmptyRowOutput.UNTOUCHED:
         violations = empty & ~torch.isnan(got).flatten(1).all(dim=1)
 
-    mismatched = int(mismatch.sum())
+    # Every number the verdict and the message need, in one device-to-host copy (counts are
+    # exact in float64 below 2**53; the maxima are float64 already).
+    zero = torch.zeros((), dtype=torch.float64, device=ref.device)
+    active_err = torch.where(active, error, torch.zeros_like(error))
+    counts = torch.stack([t.sum() for t in (active & ~finite, mismatch, active, empty,
+                                            violations)]).to(torch.float64)
+    maxima = torch.stack([active_err.max() if active_err.numel() else zero,
+                          ratio.max() if ratio.numel() else zero]).to(torch.float64)
+    values = torch.cat((counts, maxima)).tolist()
+    nonfinite, mismatched, checked, empty_rows, violated = (int(v) for v in values[:5])
+    max_abs_error, max_ratio = values[5:]
     worst = _worst_locations(ratio, got, ref, error, bound, mismatch, case, rows) if (
         mismatched) else ()
-    active_err = torch.where(active, error, torch.zeros_like(error))
     return Comparison(
         backend=backend,
-        agrees=mismatched == 0 and not bool(violations.any()),
-        checked=int(active.sum()),
+        agrees=mismatched == 0 and not violated,
+        checked=checked,
         mismatched=mismatched,
         nonfinite=nonfinite,
-        max_abs_error=float(active_err.max()) if active_err.numel() else 0.0,
-        max_ratio=float(ratio.max()) if ratio.numel() else 0.0,
-        empty_rows=int(empty.sum()),
+        max_abs_error=max_abs_error,
+        max_ratio=max_ratio,
+        empty_rows=empty_rows,
         empty_row_policy=empty_row_output.value,
-        empty_row_violations=int(violations.sum()),
+        empty_row_violations=violated,
         tolerance=tolerance.describe(),
         worst=worst,
     )
