@@ -5,10 +5,11 @@ Data flows one way: case -> inputs (data, sparse table, caches) -> each backend 
 (:mod:`difftest.records`). The engine writes no files: the session (:mod:`difftest.session`)
 puts the case on disk before it runs and stores the failures.
 
-A :class:`Preparation` builds a case's host-side inputs (rows, segment tables, features) ahead,
-in steps that :func:`run_case` takes while an earlier case's device work runs (``idle``):
-nothing in it touches the device, so no kernel of a case starts before the session has put
-the case on disk, and the inputs are the ones :class:`RunInputs` builds (the same bits).
+A :class:`Preparation` builds a case's host-side inputs (segment tables, page table, features)
+ahead, in a worker process (:func:`prepare_host`) while earlier cases run; the rows are built
+only if something reads them (:class:`LazyRows`). Nothing in it touches the device, so no
+kernel of a case starts before the session has put the case on disk, and the inputs are the
+ones :class:`RunInputs` builds (the same bits, ``tests/test_pipeline.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import dataclasses
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
+import numpy as np
 import torch
 
 from difftest.backend import Backend, ReferenceBackend, RunInputs
@@ -30,10 +33,11 @@ from difftest.coverage import case_features
 from difftest.diagnosis import diagnosis_lines
 from difftest.inputs import HostTables, generate, host_tables
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
-from difftest.sparse_table import page_table
+from difftest.sparse_table import SparseRow, build_rows, page_table
 from difftest.tolerance import Reference, Tolerance
 
-__all__ = ["FAILING", "BackendResult", "CaseResult", "Preparation", "Status", "run_case"]
+__all__ = ["FAILING", "BackendResult", "CaseResult", "LazyRows", "Preparation", "PreparedHost",
+           "Status", "prepare_host", "run_case"]
 
 
 @dataclass
@@ -105,70 +109,81 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Preparation:
-    """The host-side inputs of one case, built step by step ahead of its run.
+@dataclass(frozen=True)
+class PreparedHost:
+    """What :func:`prepare_host` builds: generation's host tables, the page table on the host
+    (``[total_q, topk*8]`` and ``[total_q]``, int32) and the case's features."""
 
-    Steps: the case id, the rows (:attr:`RunInputs.rows`), the segment tables
-    (:func:`difftest.inputs.host_tables`), the page table on the host
-    (:func:`difftest.sparse_table.page_table`) and the case's features. No step touches the
-    device. A step that raises stops the preparation and is forgotten: the run builds that
-    part again and reports its error where a run without preparation would.
+    tables: HostTables
+    page_table: tuple[np.ndarray, np.ndarray]
+    features: dict[str, Any]
+
+
+def prepare_host(case: Case) -> PreparedHost:
+    """The host-side inputs of ``case`` from its rows (run in a worker process)."""
+    rows = build_rows(case)
+    table, ctx = page_table(case, rows)
+    return PreparedHost(host_tables(case, rows), (table.numpy(), ctx.numpy()),
+                        case_features(case, rows))
+
+
+class LazyRows(Sequence[SparseRow]):
+    """``build_rows(case)``, built on first read (a comparison's worst locations, a
+    diagnosis): a prepared case that agrees never needs its rows in this process."""
+
+    def __init__(self, case: Case) -> None:
+        self.case = case
+        self._rows: tuple[SparseRow, ...] | None = None
+
+    def _built(self) -> tuple[SparseRow, ...]:
+        if self._rows is None:
+            self._rows = build_rows(self.case)
+        return self._rows
+
+    @overload
+    def __getitem__(self, index: int) -> SparseRow: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[SparseRow, ...]: ...
+    def __getitem__(self, index: int | slice) -> SparseRow | tuple[SparseRow, ...]:
+        return self._built()[index]
+
+    def __len__(self) -> int:
+        return self.case.total_q
+
+    def __iter__(self) -> Iterator[SparseRow]:
+        return iter(self._built())
+
+
+class Preparation:
+    """A case whose host-side inputs a worker builds ahead (:func:`prepare_host`).
+
+    :meth:`host` waits for them; ``None`` when the worker failed: the run then builds them
+    itself and reports any error where a run without preparation would.
     """
 
-    def __init__(self, case: Case, device: torch.device) -> None:
+    def __init__(self, case: Case, pool: Executor) -> None:
         self.case = case
-        self.inputs = RunInputs(case, device)
-        self.tables: HostTables | None = None
-        self.page_table: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.features: dict[str, Any] | None = None
-        self._steps: Iterator[Callable[[], object]] = iter((
-            lambda: case.case_id, lambda: self.inputs.rows, self._tables, self._page_table,
-            self._features))
+        self._future: Future[PreparedHost] = pool.submit(prepare_host, case)
 
-    def _tables(self) -> None:
-        self.tables = host_tables(self.case, self.inputs.rows)
-
-    def _page_table(self) -> None:
-        self.page_table = page_table(self.case, self.inputs.rows)
-
-    def _features(self) -> None:
-        self.features = case_features(self.case, self.inputs.rows)
-
-    def step(self) -> bool:
-        """Take the next step; ``False`` once none is left."""
-        work = next(self._steps, None)
-        if work is None:
-            return False
+    def host(self) -> PreparedHost | None:
+        """The prepared inputs (waiting for the worker), or ``None``."""
         try:
-            work()
+            return self._future.result()
         except Exception:  # the run redoes it and reports it in its own stage
-            self._steps = iter(())
-            return False
-        return True
-
-    def finish(self) -> None:
-        """Take every remaining step."""
-        while self.step():
-            pass
+            return None
 
 
-def _wait(device: torch.device, idle: Callable[[], bool] | None) -> float:
-    """Synchronise with ``device``; until its queued work is done, take ``idle`` steps (one
-    step on the CPU, where nothing runs asynchronously). The seconds the steps took."""
-    if idle is None:
-        _sync(device)
-        return 0.0
-    begun = time.perf_counter()
-    if device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query() and idle():
-            pass
-        spent = time.perf_counter() - begun
-        _sync(device)
-        return spent
-    idle()
-    return time.perf_counter() - begun
+def prepared_inputs(case: Case, device: torch.device, host: PreparedHost) -> RunInputs:
+    """:class:`RunInputs` whose data, page table and rows come from ``host``: the data is
+    generated here (the device work), the page table moved as :class:`RunInputs` moves it,
+    the rows lazy."""
+    inputs = RunInputs(case, device)
+    inputs.rows = LazyRows(case)  # type: ignore[misc, assignment]
+    inputs.data = generate(case, inputs.rows, device, host.tables)  # type: ignore[misc]
+    table, ctx = host.page_table
+    inputs.sparse_table = (  # type: ignore[misc]
+        torch.from_numpy(table).to(device), torch.from_numpy(ctx).to(device))
+    return inputs
 
 
 def run_case(
@@ -176,56 +191,33 @@ def run_case(
     reference: ReferenceBackend,
     backends: list[Backend],
     device: torch.device,
-    prepared: Preparation | None = None,
-    idle: Callable[[], bool] | None = None,
+    prepared: PreparedHost | None = None,
 ) -> CaseResult:
-    """Run ``case`` through ``reference`` and ``backends`` and judge each backend.
-
-    ``prepared``: the case's :class:`Preparation` (finished here if it is not). ``idle``:
-    called, a step at a time, while the device finishes each stage's work, and after the
-    last stage until it returns ``False`` (it prepares the next case); the seconds it took
-    go to ``timings["prefetch"]``, not to the stages.
-    """
+    """Run ``case`` through ``reference`` and ``backends`` and judge each backend;
+    ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`)."""
     timings: dict[str, float] = {}
-    if prepared is not None:
-        prepared.finish()
-    inputs = prepared.inputs if prepared is not None else RunInputs(case, device)
-
-    def waited(stage: str, start: float) -> None:
-        aside = _wait(device, idle)
-        if idle is not None:
-            timings["prefetch"] = timings.get("prefetch", 0.0) + aside
-        timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - start - aside
-
+    inputs = RunInputs(case, device)
     try:
         start = time.perf_counter()
-        if prepared is not None and prepared.tables is not None:
-            inputs.data = generate(case, inputs.rows, device, prepared.tables)
-        if prepared is not None and prepared.page_table is not None:  # as RunInputs moves it
-            table, ctx = prepared.page_table
-            inputs.sparse_table = table.to(device), ctx.to(device)
+        if prepared is not None:
+            inputs = prepared_inputs(case, device, prepared)
         _ = inputs.data, inputs.rows, inputs.sparse_table
-        waited("generate", start)
+        _sync(device)
+        timings["generate"] = time.perf_counter() - start
         start = time.perf_counter()
         truth = reference.reference(inputs)
-        waited("reference", start)
+        _sync(device)
+        timings["reference"] = time.perf_counter() - start
     except Exception:  # a framework failure is every backend's error, never a lost case
         detail = f"the reference {reference.name!r} could not be computed:\n{_traceback()}"
         results = [BackendResult(b.name, Status.ERROR, detail=detail) for b in backends]
     else:
-        results = [_run_backend(backend, inputs, truth, timings, waited)
-                   for backend in backends]
-    if idle is not None:  # what the device waits left of the next case's preparation
-        start = time.perf_counter()
-        while idle():
-            pass
-        timings["prefetch"] = timings.get("prefetch", 0.0) + time.perf_counter() - start
+        results = [_run_backend(backend, inputs, truth, timings) for backend in backends]
     return CaseResult(case, reference.name, results, timings)
 
 
 def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
-                 timings: dict[str, float], waited: Callable[[str, float], None]
-                 ) -> BackendResult:
+                 timings: dict[str, float]) -> BackendResult:
     case, device = inputs.case, inputs.device
     availability = backend.availability()
     if not availability.available:
@@ -243,7 +235,9 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
         for order in backend.in_page_orders:
             built = time.perf_counter()
             inputs.cache(order)
-            waited(f"cache:{order}", built)
+            _sync(device)
+            timings[f"cache:{order}"] = timings.get(f"cache:{order}", 0.0) + (
+                time.perf_counter() - built)
     except Exception:
         return BackendResult(backend.name, Status.ERROR,
                              detail=f"building its cache failed:\n{_traceback()}",
@@ -251,13 +245,14 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     start = time.perf_counter()
     try:
         actual = backend.run(inputs)
-        waited(backend.name, start)
+        _sync(device)
     except Exception:  # every failure of a backend is a result, not a crash of the run
         seconds = time.perf_counter() - start
         timings[backend.name] = seconds
         return BackendResult(backend.name, Status.ERROR, seconds, _traceback(),
                              versions=versions)
-    seconds = timings[backend.name]
+    seconds = time.perf_counter() - start
+    timings[backend.name] = seconds
     start = time.perf_counter()
     try:
         tolerance = Tolerance(backend.precision(case, device))

@@ -8,7 +8,10 @@ session owns the artifact store: it puts each case on disk before the engine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import multiprocessing
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +61,7 @@ class ObservedReference(ObservedBackend):
     """The reference backend as a session runs it (its reference computation observed too)."""
 
     inner: ReferenceBackend
-    rows: tuple[SparseRow, ...] | None = None  # the case's rows, once the reference ran
+    rows: Sequence[SparseRow] | None = None  # the case's rows, once the reference ran
 
     def __init__(self, inner: ReferenceBackend, store: ArtifactStore) -> None:
         super().__init__(inner, store)
@@ -82,6 +85,7 @@ class Session:
     plugins: tuple[str, ...] = ()
     results: list[CaseResult] = field(default_factory=list)
     records: list[CaseRecord] = field(default_factory=list)
+    _pool: ProcessPoolExecutor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -117,39 +121,56 @@ class Session:
         """Run one case on every backend under test, or on those named in ``backends`` (a
         fitted run, :meth:`difftest.cases.capabilities.Capabilities.fit`); the case is on
         disk while it runs and its failure stored. Keeps its result and record."""
-        return self._run(case, backends, None, None)
+        return self._run(case, backends, None)
 
-    def run_all(self, runs: Iterable[tuple[Case, Iterable[str] | None]]
+    def run_all(self, runs: Iterable[tuple[Case, Iterable[str] | None]], ahead: int = 2
                 ) -> Iterator[CaseResult]:
         """:meth:`run` each ``(case, backends)`` in order, yielding each result as it is
-        recorded, with a small pipeline: while one case's device work runs (each stage's
-        synchronisation), the next case's host-side inputs are prepared
-        (:class:`difftest.runner.Preparation`: rows, segment tables, features; no device
-        work, so each case is still on disk before any kernel of it starts, and one case at
-        a time is in flight). The results and records are those of :meth:`run`."""
+        recorded, with a small pipeline: a worker process (:meth:`pool`) builds the next
+        ``ahead`` cases' host-side inputs (:func:`difftest.runner.prepare_host`: segment
+        tables, page table, features) while this process runs the current one. The worker
+        does no device work, so each case is still on disk before any kernel of it starts,
+        and one case at a time is in flight. The results and records are those of
+        :meth:`run`."""
         pending = iter(runs)
-        current = next(pending, None)
-        prepared = None if current is None else Preparation(current[0], self.device)
-        while current is not None:
-            following = next(pending, None)
-            ahead = None if following is None else Preparation(following[0], self.device)
-            yield self._run(current[0], current[1], prepared,
-                            None if ahead is None else ahead.step)
-            current, prepared = following, ahead
+        queue: deque[tuple[Case, Iterable[str] | None, Preparation | None]] = deque()
+        first = next(pending, None)
+        if first is not None:  # runs while the worker starts
+            queue.append((*first, None))
+        while queue:
+            while len(queue) <= ahead and (following := next(pending, None)) is not None:
+                queue.append((*following, Preparation(following[0], self.pool())))
+            case, backends, prepared = queue.popleft()
+            yield self._run(case, backends, prepared)
+
+    def pool(self) -> Executor:
+        """The session's preparation worker (one process, started on first use; spawned, so
+        it inherits no device state)."""
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the preparation worker, if one was started."""
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
     def _run(self, case: Case, backends: Iterable[str] | None,
-             prepared: Preparation | None, idle: Callable[[], bool] | None) -> CaseResult:
+             prepared: Preparation | None) -> CaseResult:
         chosen = self.backends if backends is None else self.chosen(backends)
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
+        host = None if prepared is None else prepared.host()
         reference = ObservedReference(self.reference, self.store)
         result = run_case(case, reference, [ObservedBackend(b, self.store) for b in chosen],
-                          self.device, prepared, idle)
-        # The case as begin serialised it and the features from generation's rows: neither
-        # is built twice (at production shape each cost about 10 to 25 ms per case).
+                          self.device, host)
+        # The case as begin serialised it and the features from generation's rows (or from
+        # the worker): neither is built twice (at production shape each cost about 10 to
+        # 25 ms per case).
         features = None
         if reference.rows is not None:
-            features = (prepared.features if prepared is not None and prepared.features
-                        is not None else case_features(case, reference.rows))
+            features = (host.features if host is not None
+                        else case_features(case, reference.rows))
         record = result.record(self.store.outputs(case), case=self.store.case_dict(case),
                                features=features)
         result.artifact = self.store.finish(case, record)

@@ -1,11 +1,13 @@
 """The pipelined session (issue 11): the same records as running case by case.
 
-:meth:`difftest.session.Session.run_all` prepares the next case's host-side inputs
-(:class:`difftest.runner.Preparation`) while the current case runs. These tests show that the
-records, verdicts and messages are those of :meth:`Session.run` case by case, that the
-preparation really happens while the previous case is in flight, and that no case's data is
-generated before its pending file is on disk. Also: :meth:`Case.to_dict`'s content, built
-field by field, is the ``dataclasses.asdict`` formulation it replaced.
+:meth:`difftest.session.Session.run_all` prepares the next cases' host-side inputs
+(:func:`difftest.runner.prepare_host`, in a worker process) while the current case runs.
+These tests show that the records, verdicts and messages are those of :meth:`Session.run`
+case by case, that the preparation really happens (in the worker) while an earlier case is in
+flight and that this process builds a prepared case's rows only when a comparison reads them,
+and that no case's data is generated before its pending file is on disk. Also:
+:meth:`Case.to_dict`'s content, built field by field, is the ``dataclasses.asdict``
+formulation it replaced.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hypothesis import given
 
 from benchmarks.throughput import production_case
 from difftest import inputs, runner
+from difftest import session as session_module
 from difftest.case import MODE_DEFAULTS, Case
 from difftest.session import Session
 
@@ -96,7 +99,8 @@ def comparable(session: Session) -> list[str]:
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
              ) -> tuple[Session, Session, list[tuple[str, Any]]]:
-    """The runs case by case and pipelined, and the pipelined run's log of events."""
+    """The runs case by case and pipelined, and the pipelined run's log of events in this
+    process (the worker's are its own)."""
     root = tmp_path_factory.mktemp("pipeline")
     serial = Session.create(BACKENDS, [NAN_PLUGIN], device=device_name,
                             artifacts=str(root / "serial"))
@@ -107,6 +111,8 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
     log: list[tuple[str, Any]] = []
     store = piped.store
     begin, finish = store.begin, store.finish
+    draw, tables, rows, preparation = (inputs._draw, inputs.host_tables, runner.build_rows,
+                                       runner.Preparation)
 
     def logged_begin(case: Case, names: list[str]) -> Path:
         log.append(("begin", case.case_id))
@@ -115,8 +121,6 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
     def logged_finish(case: Case, record: Any) -> str | None:
         log.append(("finish", case.case_id))
         return finish(case, record)
-
-    draw, tables = inputs._draw, runner.host_tables
 
     def logged_draw(seed: int, *args: Any) -> torch.Tensor:
         pending = [json.loads(p.read_text())["case"]["seed"]
@@ -128,12 +132,23 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
         log.append(("tables", case.case_id))
         return tables(case, rows)
 
+    def logged_rows(case: Case) -> Any:
+        log.append(("rows", case.case_id))
+        return rows(case)
+
+    def logged_preparation(case: Case, pool: Any) -> runner.Preparation:
+        log.append(("prepare", case.case_id))
+        return preparation(case, pool)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "begin", logged_begin)
         patch.setattr(store, "finish", logged_finish)
         patch.setattr(inputs, "_draw", logged_draw)
-        patch.setattr(runner, "host_tables", logged_tables)
+        patch.setattr(inputs, "host_tables", logged_tables)
+        patch.setattr(runner, "build_rows", logged_rows)
+        patch.setattr(session_module, "Preparation", logged_preparation)
         results = list(piped.run_all(the_runs()))
+    piped.close()
     assert results == piped.results
     return serial, piped, log
 
@@ -144,28 +159,27 @@ def test_the_pipelined_records_are_the_serial_ones(sessions) -> None:
     assert [r.failure_messages() for r in piped.results] == [
         r.failure_messages() for r in serial.results]
     assert any(r.failed for r in piped.results)  # the disagreement is in the comparison
-    assert all("prefetch" not in r.timings for r in serial.results)
 
 
-def test_the_next_case_is_prepared_while_one_runs_and_generated_only_once_on_disk(
+def test_the_next_cases_are_prepared_while_one_runs_and_generated_only_once_on_disk(
         sessions) -> None:
-    _, piped, log = sessions
+    _, _, log = sessions
     ids = [case.case_id for case, _ in the_runs()]
     events = [(kind, what) for kind, what in log if kind != "draw"]
     assert [w for k, w in events if k == "begin"] == ids
     assert [w for k, w in events if k == "finish"] == ids
-    # the k-th tables are run k's, built while run k-1 was in flight (run 0's: in its own)
-    # (in its device waits; on the CPU one step per stage, the rest after its last stage)
-    begun, in_flight, built_during = 0, None, []
+    # runs 1.. are handed to the worker before run 0 begins and then 2 ahead
+    assert [w for k, w in events if k == "prepare"] == ids[1:]
+    begun, prepared_during = 0, []  # prepared_during: cases begun before each hand-over
     for kind, _ in events:
-        if kind == "begin":
-            in_flight, begun = begun, begun + 1
-        elif kind == "finish":
-            in_flight = None
-        else:
-            built_during.append(in_flight)
-    assert built_during == [0, *range(len(ids) - 1)]
-    assert all("prefetch" in r.timings for r in piped.results[:-1])
+        begun += kind == "begin"
+        if kind == "prepare":
+            prepared_during.append(begun)
+    assert prepared_during == [0, 0, *range(1, len(ids) - 2)]
+    # this process built the host tables of run 0 only (not prepared), and lazy rows only
+    # for the two runs where nan-out disagrees (the worst locations and diagnosis read them)
+    assert [w for k, w in events if k == "tables"] == ids[:1]
+    assert [w for k, w in events if k == "rows"] == [ids[2], ids[-1]]
     # every draw of generation happens while exactly its own case is on disk
     draws = [what for kind, what in log if kind == "draw"]
     assert draws and all(pending == [seed] for seed, pending in draws)
@@ -179,12 +193,8 @@ def test_prepared_inputs_are_bit_identical_to_those_built_lazily() -> None:
     cpu = torch.device("cpu")
     base = load_corpus()[0]
     for case in (*load_corpus(), base.replace(softcap=0.5, sliding_window=7, canary=True)):
-        prepared = runner.Preparation(case, cpu)
-        prepared.finish()
-        assert prepared.tables is not None and prepared.page_table is not None
-        result = runner.run_case(case, _Keep(), [], cpu, prepared)
-        assert "generate" in result.timings, result.results
-        fresh, built = runner.RunInputs(case, cpu), prepared.inputs
+        host = runner.prepare_host(case)
+        built, fresh = runner.prepared_inputs(case, cpu, host), runner.RunInputs(case, cpu)
         for name in ("query", "k_stored", "v_stored", "block_ids", "written"):
             assert torch.equal(bits(getattr(fresh.data, name)), bits(getattr(built.data, name)))
         for name in ("slots", "tokens", "starts", "context_lens"):
@@ -196,14 +206,5 @@ def test_prepared_inputs_are_bit_identical_to_those_built_lazily() -> None:
                                                      strict=True))
         assert [t.dtype for t in fresh.sparse_table] == [t.dtype for t in built.sparse_table]
         assert torch.equal(bits(fresh.cache("plain").raw), bits(built.cache("plain").raw))
-        assert prepared.features == runner.case_features(case)
-
-
-class _Keep:
-    """A reference that only asks for the inputs (the test reads them afterwards)."""
-
-    name = "keep"
-    in_page_orders = ()
-
-    def reference(self, inputs: runner.RunInputs) -> None:
-        _ = inputs.data
+        assert host.features == runner.case_features(case)
+        assert tuple(built.rows) == fresh.rows and len(built.rows) == len(fresh.rows)
