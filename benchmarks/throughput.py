@@ -21,6 +21,11 @@ each backend the benchmark separates:
   output buffers, the kernel lookup. A backend that launches no Triton kernel (``torch-ref``)
   shows its ``call`` only, and on a GPU its device span (CUDA events around the call).
 
+After the table, the same cases run again without the timers (no synchronisation or events
+around each call), alternately one by one (``Session.run``, serial) and pipelined
+(``Session.run_all``: a worker process builds the next cases' host-side inputs while the
+current case runs), three times each on fresh cases; both medians are printed.
+
 ``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
 the N largest entries.
 """
@@ -83,6 +88,7 @@ class LaunchTimer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.active = True  # False: launches run untimed
         self.stage = FRAMEWORK
         self.kernel: dict[str, list[Any]] = defaultdict(list)
         self.call: dict[str, list[float]] = defaultdict(list)
@@ -98,7 +104,7 @@ class LaunchTimer:
 
     def _timed_launch(self, run: Callable[..., Any]) -> Callable[..., Any]:
         def timed(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-            if warmup:
+            if warmup or not self.active:
                 return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
             with self._measure(self.kernel[self.stage]):
                 return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
@@ -207,6 +213,7 @@ def main() -> None:
     session = Session.create(args.backends.split(","), device=args.device)
     timer = LaunchTimer(session.device)
     timer.install()
+    plain = session.reference, session.backends
     session.reference = TimedBackend(session.reference, timer)  # type: ignore[assignment]
     session.backends = [TimedBackend(b, timer) for b in session.backends]
     q_dtype = args.query_dtype or ("bfloat16" if session.device.type == "cuda" else "float16")
@@ -233,8 +240,46 @@ def main() -> None:
         stages["session"].append(wall - sum(result.timings.values()))
     mean = {stage: statistics.mean(values) for stage, values in stages.items()}
     print_table(args, session, q_dtype, mean, walls)
+    timer.active = False
+    session.reference, session.backends = plain
+    print_untimed(session, make, range(1, args.cases + 1), mean)
     if args.profile:
         profile_case(session, make(args.cases + 1), args.profile)
+
+
+def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
+                  mean: dict[str, float], repeats: int = 3) -> None:
+    """Cases per second without the timers: one by one, then pipelined, alternately
+    ``repeats`` times on fresh cases (nothing cached from an earlier pass); the medians, and
+    a check that both give the same verdicts."""
+    walls: dict[str, list[float]] = defaultdict(list)
+    verdicts: dict[str, list[Any]] = {}
+    start = time.perf_counter()
+    session.pool().submit(int).result()  # the worker's start, once per session
+    print(f"\npreparation worker started in {time.perf_counter() - start:.2f} s")
+    for _ in range(repeats):
+        for mode in ("serial", "pipelined"):
+            cases = [make(seed) for seed in seeds]
+            start = time.perf_counter()
+            results = ([session.run(case) for case in cases] if mode == "serial"
+                       else list(session.run_all((case, None) for case in cases)))
+            walls[mode].append((time.perf_counter() - start) / len(cases))
+            verdicts[mode] = [[(r.backend, r.status) for r in res.results] for res in results]
+    session.close()
+    if verdicts["serial"] != verdicts["pipelined"]:
+        raise SystemExit("the pipelined run's verdicts differ from the serial run's")
+    print(f"without timers, {len(seeds)} cases, median of {repeats} alternating passes:")
+    for mode, per_case in walls.items():
+        median = statistics.median(per_case)
+        runs = ", ".join(f"{1e3 * w:.2f}" for w in per_case)
+        print(f"  {mode:<10} {1e3 * median:6.2f} ms per case ({runs}), "
+              f"{1 / median:.3f} cases per second")
+    piped = statistics.median(walls["pipelined"])
+    for backend in session.backends:
+        kernel = mean.get(f"{backend.name}:kernel")
+        if kernel:
+            print(f"pipelined, (a case's wall - the {backend.name} kernel) / that kernel: "
+                  f"{(piped - kernel) / kernel:.2f}")
 
 
 def print_table(args: argparse.Namespace, session: Session, q_dtype: str,
