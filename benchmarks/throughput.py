@@ -24,7 +24,7 @@ each backend the benchmark separates:
 After the table, the same cases run again without the timers (no synchronisation or events
 around each call), alternately one by one (``Session.run``, serial) and pipelined
 (``Session.run_all``: a worker process builds the next cases' host-side inputs while the
-current case runs), three times each on fresh cases; both medians are printed.
+current case runs), ``--repeats`` times each on fresh cases; both medians are printed.
 
 ``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
 the N largest entries.
@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--backends", default="triton-unified")
     parser.add_argument("--query-dtype", default=None,
                         help="default: bfloat16 on GPUs, float16 on the CPU (docs/findings.md F1)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating serial and pipelined passes without timers")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more case and print its N largest entries")
     args = parser.parse_args()
@@ -242,7 +244,7 @@ def main() -> None:
     print_table(args, session, q_dtype, mean, walls)
     timer.active = False
     session.reference, session.backends = plain
-    print_untimed(session, make, range(1, args.cases + 1), mean)
+    print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
     if args.profile:
         profile_case(session, make(args.cases + 1), args.profile)
 
