@@ -135,6 +135,9 @@ def replay(path: Path, backend_names: list[str] | None, plugins: Sequence[str], 
         if name not in {e["backend"] for e in record["results"]}:
             print(f"  {name:<24} {'not run':<12} {'-':<10} {'-':<13} {was['status']} "
                   f"{_ratio_text(was)} (pass --plugin/--backends to replay it)")
+    for entry in record["results"]:
+        if entry["status"] == "unsupported":  # why, or a refusal reads as a silent skip
+            print(f"  {entry['backend']}: unsupported: {entry['detail']}")
     for message in result.failure_messages():
         print(message)
     if result.artifact:

@@ -180,3 +180,13 @@ def test_run_draws_what_its_backends_run_and_prints_the_parameter_audit(
     assert audited["kernel"] == "pa_decode_gluon" and audited["cases"] == 3
     fixed = {a["name"]: a["fixed"] for a in audited["arguments"] if a["fixed"]}
     assert fixed and all(f["reason"] for f in fixed.values())  # documented with reasons
+
+
+def test_repro_says_why_a_backend_refuses_the_case(tmp_path: Path, capsys) -> None:
+    """F14's case: vllm-aiter@emulated refuses it, and the replay prints the reason."""
+    case = Path(__file__).parents[1] / "docs/data/fp-vllm-aiter-duplicate-lane.json"
+    assert cli.main(["repro", str(case), "--backends", "vllm-aiter@emulated", "--device", "cpu",
+                     "--artifacts", str(tmp_path / "artifacts")]) == 0
+    out = capsys.readouterr().out
+    assert "vllm-aiter@emulated      unsupported" in out
+    assert "vllm-aiter@emulated: unsupported: row 3 (position 128) selects no lane" in out
