@@ -9,6 +9,7 @@ two historical bugs on their shrunk cases (docs/findings.md F9, F10).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 from difftest.cases.capabilities import Capabilities
 from difftest.cases.generate import generated_cases
 
-from benchmarks.history import KNOWN_BUGS, known_bugs
+from benchmarks.history import KNOWN_BUGS, attribute, known_bugs
 from difftest.case import Case
 from difftest.registry import RegistryError, select
 from difftest.runner import Status, run_case
@@ -160,3 +161,50 @@ def test_the_default_strategy_reaches_each_historical_bug_within_50_examples(
     statuses = [r.status for r in result.results]
     assert statuses[0] is Status.DISAGREE, result.results[0].detail
     assert statuses[1:] == [Status.AGREE, Status.AGREE], [r.detail for r in result.results]
+
+
+def _fake_release(failing: Callable[[Case], bool]) -> Callable[[Case], str]:
+    """A release's status on a case, from a rule saying which cases it fails."""
+    return lambda case: "disagree" if failing(case) else "agree"
+
+
+WINDOW_AND_SOFTCAP = WINDOW_SHRUNK.replace(softcap=0.01)
+
+
+def test_ablation_names_the_mode_that_explains_a_failure() -> None:
+    """A failure that needs the window and the canaries (0.13.0's NaN) is explained by
+    both, not by the softcap that is also on; 0.31.0 has neither known bug."""
+    window_bug = _fake_release(lambda c: c.sliding_window > 0 and c.canary)
+    attribution = attribute(WINDOW_AND_SOFTCAP, "0.13.0", window_bug)
+    assert attribution.statuses == {"softcap": "disagree", "sliding_window": "agree",
+                                    "canary": "agree"}
+    assert attribution.explanation == ["sliding_window", "canary"]
+    assert attribution.bugs == ["sliding-window-nan"] and not attribution.told_apart
+    assert attribution.shows("sliding-window-nan") and not attribution.shows("softcap-nan")
+    assert attribute(WINDOW_AND_SOFTCAP, "0.31.0", window_bug).shown() == []
+
+
+def test_a_case_with_two_known_bugs_is_told_apart_with_the_other_bug_off() -> None:
+    """0.13.0 fails a case with the window NaN and the softcap NaN both triggered: no single
+    mode off makes it agree, so each known bug's mode is switched off in turn and the bug
+    left explains the rest."""
+    both = _fake_release(lambda c: c.softcap > 0 or (c.sliding_window > 0 and c.canary))
+    attribution = attribute(WINDOW_AND_SOFTCAP, "0.13.0", both)
+    assert attribution.explanation == [] and attribution.bugs == []
+    assert set(attribution.told_apart) == {"softcap", "sliding_window"}
+    assert attribution.told_apart["softcap"].bugs == ["sliding-window-nan"]
+    assert attribution.told_apart["sliding_window"].bugs == ["softcap-nan"]
+    assert "with softcap off it still fails" in attribution.shows("sliding-window-nan")
+    assert sorted(attribution.shown()) == ["sliding-window-nan", "softcap-nan"]
+    # 0.14.0 has only the softcap NaN: its one bug explains a softcap failure directly
+    softcap_only = attribute(WINDOW_AND_SOFTCAP, "0.14.0", _fake_release(lambda c: c.softcap > 0))
+    assert softcap_only.bugs == ["softcap-nan"] and not softcap_only.told_apart
+
+
+def test_a_failure_no_mode_explains_shows_no_known_bug() -> None:
+    """A failure that stays with every mode off (a bug in no kernel mode) is unexplained."""
+    attribution = attribute(WINDOW_AND_SOFTCAP, "0.13.0", _fake_release(lambda c: True))
+    assert attribution.explanation == [] and attribution.shown() == []
+    assert set(attribution.told_apart) == {"softcap", "sliding_window"}
+    assert all(not inner.shown() for inner in attribution.told_apart.values())
+    assert attribute(CASE, "0.13.0", _fake_release(lambda c: True)).statuses == {}
