@@ -192,9 +192,12 @@ def run_case(
     backends: list[Backend],
     device: torch.device,
     prepared: PreparedHost | None = None,
+    diagnose: bool = True,
 ) -> CaseResult:
     """Run ``case`` through ``reference`` and ``backends`` and judge each backend;
-    ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`)."""
+    ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`); ``diagnose``:
+    whether a disagreement gets its :mod:`difftest.diagnosis` (what the worst rows read
+    instead; a benchmark that only counts verdicts can skip its cost)."""
     timings: dict[str, float] = {}
     inputs = RunInputs(case, device)
     try:
@@ -212,12 +215,13 @@ def run_case(
         detail = f"the reference {reference.name!r} could not be computed:\n{_traceback()}"
         results = [BackendResult(b.name, Status.ERROR, detail=detail) for b in backends]
     else:
-        results = [_run_backend(backend, inputs, truth, timings) for backend in backends]
+        results = [_run_backend(backend, inputs, truth, timings, diagnose)
+                   for backend in backends]
     return CaseResult(case, reference.name, results, timings)
 
 
 def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
-                 timings: dict[str, float]) -> BackendResult:
+                 timings: dict[str, float], diagnose: bool) -> BackendResult:
     case, device = inputs.case, inputs.device
     availability = backend.availability()
     if not availability.available:
@@ -264,7 +268,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
                              f"its output could not be compared:\n{_traceback()}",
                              versions=versions)
     else:
-        if not comparison.agrees:  # what the worst rows read instead; never raises
+        if diagnose and not comparison.agrees:  # what the worst rows read; never raises
             comparison = dataclasses.replace(comparison, diagnosis=diagnosis_lines(
                 inputs, actual, truth, tuple(loc.row for loc in comparison.worst), tolerance,
                 empty_rows))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from difftest.backends.torch_ref import TorchReference
 from difftest.cases.corpus import load_corpus
 from difftest.cases.strategies import cases
 from hypothesis import given
@@ -208,3 +209,22 @@ def test_prepared_inputs_are_bit_identical_to_those_built_lazily() -> None:
         assert torch.equal(bits(fresh.cache("plain").raw), bits(built.cache("plain").raw))
         assert host.features == runner.case_features(case)
         assert tuple(built.rows) == fresh.rows and len(built.rows) == len(fresh.rows)
+
+
+class _NanOut(TorchReference):
+    """NaN everywhere: a disagreement that the diagnosis explains."""
+
+    name = "nan-out"
+
+    def run(self, inputs: runner.RunInputs) -> torch.Tensor:
+        return torch.full_like(self.reference(inputs).output, float("nan"))
+
+
+def test_diagnose_false_skips_only_the_diagnosis() -> None:
+    case, cpu = load_corpus()[3], torch.device("cpu")
+    full, bare = (runner.run_case(case, TorchReference(), [_NanOut()], cpu, diagnose=d)
+                  .results[0].comparison for d in (True, False))
+    assert full is not None and bare is not None
+    assert full.diagnosis and not bare.diagnosis
+    assert json.dumps(dataclasses.replace(full, diagnosis=()).to_dict()) == json.dumps(
+        bare.to_dict())  # JSON: the NaN outputs compare equal
