@@ -163,10 +163,15 @@ class Preparation:
 
     def __init__(self, case: Case, pool: Executor) -> None:
         self.case = case
-        self._future: Future[PreparedHost] = pool.submit(prepare_host, case)
+        try:
+            self._future: Future[PreparedHost] | None = pool.submit(prepare_host, case)
+        except Exception:  # a broken or shut-down pool: the run builds everything itself
+            self._future = None
 
     def host(self) -> PreparedHost | None:
         """The prepared inputs (waiting for the worker), or ``None``."""
+        if self._future is None:
+            return None
         try:
             return self._future.result()
         except Exception:  # the run redoes it and reports it in its own stage

@@ -228,3 +228,16 @@ def test_diagnose_false_skips_only_the_diagnosis() -> None:
     assert full.diagnosis and not bare.diagnosis
     assert json.dumps(dataclasses.replace(full, diagnosis=()).to_dict()) == json.dumps(
         bare.to_dict())  # JSON: the NaN outputs compare equal
+
+
+def test_a_failed_worker_leaves_the_run_to_build_everything(tmp_path: Path,
+                                                             device_name: str) -> None:
+    session = Session.create(["aiter-gluon@emulated"], device=device_name,
+                             artifacts=str(tmp_path / "art"))
+    session.pool().shutdown()  # every hand-over now fails
+    runs = [(case, None) for case in load_corpus()[:2]]
+    results = list(session.run_all(runs))
+    session.close()
+    assert [r.case for r in results] == [case for case, _ in runs]
+    assert [r.results[0].status for r in results] == [
+        session.run(case).results[0].status for case, _ in runs]
