@@ -1,6 +1,6 @@
 """Historical-bug benchmark: do the default strategies find bugs vLLM shipped, and only those?
 
-    python -m benchmarks.history                      # the seeded bugs (CPU, 2 workers: ~3 min)
+    python -m benchmarks.history                      # the seeded bugs (CPU, 2 workers: ~2 min)
     python -m benchmarks.history --json out.json
     python -m benchmarks.history --pair 'triton-unified[vllm=0.30.0]' 'triton-unified[vllm=0.31.0]'
 
@@ -36,7 +36,8 @@ says which bound stopped it). The shrunk case runs on all three releases and is 
 too. Every failure of the fixed release or the control is attributed the same way: one that
 a known bug of that release explains (0.14.0 still has the softcap NaN) is listed with the
 bug; any other is a false positive, and there must be none. Disagreements are not diagnosed
-(:func:`skip_diagnosis`): the report has no use for it, and it cost a third of the time.
+(``run_case(..., diagnose=False)``): the report has no use for it, and on the CPU it took a
+third of the time (docs/history.md).
 
 Cases drawn in this process may differ from a ``difftest run`` process's with the same seed
 (docs/findings.md F11: Hypothesis draws constants of the imported local modules). Measured
@@ -162,11 +163,12 @@ class Attribution:
     def shows(self, bug: str) -> str:
         """How this attribution shows ``bug`` (a sentence), or ``""`` where it does not."""
         if bug in self.bugs:
-            return f"explained by {' + '.join(self.explanation)} off -> agree"
+            return f"switching off {' or '.join(self.explanation)} makes it agree"
         for mode, inner in self.told_apart.items():
             if bug in inner.bugs:
                 return (f"no single mode explains it (two known bugs); with {mode} off it "
-                        f"still fails, explained by {' + '.join(inner.explanation)}")
+                        f"still fails, and switching off {' or '.join(inner.explanation)} "
+                        "then makes it agree")
         return ""
 
     def shown(self) -> list[str]:
@@ -287,24 +289,10 @@ class Profile(Counter):
 _STATE: dict[str, Any] = {}
 
 
-NO_DIAGNOSIS = ("diagnosis skipped: benchmarks.history attributes failures by ablation",)
-
-
-def skip_diagnosis() -> None:
-    """Stop this process's runner from diagnosing disagreements (:mod:`difftest.diagnosis`,
-    which recomputes the reference under a few dozen misreadings of the worst rows): the
-    benchmark reports none, and on CPU it took about a third of the runs' time (mostly on
-    NaN rows, which no misreading explains)."""
-    import difftest.runner
-
-    difftest.runner.diagnosis_lines = lambda *args, **kwargs: NO_DIAGNOSIS
-
-
 def _prepare_worker(device: str, workers: int, started: float) -> None:
-    """A worker's one-time set-up: runtime, thread share, no diagnosis, the backends."""
+    """A worker's one-time set-up: runtime, thread share, the backends."""
     devices.prepare_runtime(device)
     devices.share_cpu_threads(workers)
-    skip_diagnosis()
     _backends()
     _STATE["start"] = time.time() - started
 
@@ -336,6 +324,11 @@ def _device() -> torch.device:
     return torch.device("cpu" if devices.interpreted() else "cuda")
 
 
+def _run(case: Case, backends: Sequence[Backend]) -> CaseResult:
+    """``case`` on ``backends`` against ``torch-ref``, undiagnosed."""
+    return run_case(case, _backend("torch-ref"), list(backends), _device(), diagnose=False)
+
+
 def _version(backend: Backend) -> str:
     return backend.versions().get("vllm", "?")
 
@@ -352,12 +345,12 @@ class _Runner:
     """Runs cases on one backend against ``torch-ref``, profiled."""
 
     def __init__(self, name: str, profile: Profile) -> None:
-        self.backend, self.reference = _backend(name), _backend("torch-ref")
+        self.backend = _backend(name)
         self.version, self.profile = _version(self.backend), profile
 
     def status(self, case: Case) -> str:
         """The backend's status on ``case``."""
-        result = run_case(case, self.reference, [self.backend], _device())
+        result = _run(case, [self.backend])
         self.profile.add(result)
         return result.results[0].status.value
 
@@ -387,7 +380,7 @@ def agree_unit(names: Sequence[str], numbered: Sequence[tuple[int, dict[str, Any
     failures = []
     for number, data in numbered:
         case = Case.from_dict(data)
-        result = run_case(case, runners[0].reference, backends, _device())
+        result = _run(case, backends)
         profile.add(result)
         for runner, r in zip(runners, result.results, strict=True):
             counts[r.backend][r.status.value] += 1
@@ -419,7 +412,7 @@ def hunt_unit(target_name: str | None, names: tuple[str, str, str], cases: Seque
     judged: dict[str, bool] = {}  # case id -> whether the buggy release fails it as target
     for number, data in enumerate(cases, 1):
         case = Case.from_dict(data)
-        result = run_case(case, runner.reference, [runner.backend], _device())
+        result = _run(case, [runner.backend])
         profile.add(result)
         bug = result.results[0]
         judged[case.case_id] = False
@@ -446,7 +439,7 @@ def hunt_unit(target_name: str | None, names: tuple[str, str, str], cases: Seque
         profile["shrink"] += time.perf_counter() - shrink_start
         outcome["shrink_seconds"] = time.perf_counter() - shrink_start
         shrunk = Case.from_dict(outcome["shrunk_case"] or outcome["first_case"])
-        final = run_case(shrunk, runner.reference, [_backend(n) for n in names], _device())
+        final = _run(shrunk, [_backend(n) for n in names])
         profile.add(final)
         outcome["shrunk_statuses"] = {r.backend: r.status.value for r in final.results}
         outcome["shrunk_detail"] = _detail(final.results[0])
@@ -635,7 +628,6 @@ def main(argv: list[str] | None = None) -> int:
     devices.prepare_runtime(device_type)
     if args.workers <= 1:
         devices.share_cpu_threads(1)
-        skip_diagnosis()
     device = _device()
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.generate import generated_cases
