@@ -90,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     device = devices.resolve(args.device)
     devices.prepare_runtime(device)
+    import torch
+
+    from difftest.audit import audit_lines, blind_spots
+    from difftest.registry import discover, select
+
+    # resolved before the hour of work, from the code the workers will import
+    backends = [b for b in select(discover(), args.backends) if b.availability().available]
     start = time.perf_counter()
     sizes = [len(range(i, args.examples, args.parts)) for i in range(args.parts)]
     context = multiprocessing.get_context("spawn")
@@ -99,13 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         futures = [pool.submit(run_part, size, args.seed + i, args.backends, device,
                                args.max_batch, args.max_topk)
                    for i, size in enumerate(sizes) if size]
-        parts = [f.result() for f in futures]
+        parts = []
+        for future in futures:  # each part on disk as it ends: a late failure loses nothing
+            parts.append(future.result())
+            if args.json:
+                with open(f"{args.json}.parts", "a") as log:
+                    log.write(json.dumps(parts[-1]) + "\n")
     wall = time.perf_counter() - start
-
-    import torch
-
-    from difftest.audit import audit_lines, blind_spots
-    from difftest.registry import discover, select
 
     records = [r for part in parts for r in part["records"]]
     failures = [f for part in parts for f in part["failures"]]
@@ -113,7 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unfit = sum(part["unfit"] for part in parts)
     statuses = Counter((r["backend"], r["status"]) for e in records for r in e["results"])
     names = sorted({backend for backend, _ in statuses})
-    backends = [b for b in select(discover(), names) if b.availability().available]
     blind = [f"{c.backend}: {c.argument.name}"
              for c in blind_spots(records, backends, torch.device(device))]
     generation = [f"part {i + 1} (seed {args.seed + i}): {line}"
