@@ -48,7 +48,9 @@ class Availability:
 class Precision:
     """Rounding stages of a backend, as dtype names (see :mod:`difftest.dtypes`).
 
-    ``operands``: what q and K/V are rounded to before the matrix products; ``probabilities``:
+    ``operands``: what q and K/V are rounded to before the matrix products (a q or K/V
+    already of that dtype is taken to reach them unrounded, any scale applied outside the
+    products; :meth:`difftest.tolerance.Tolerance.of`); ``probabilities``:
     what the softmax weights are rounded to before the PV product; ``output``: the stored
     output dtype.
     """

@@ -264,7 +264,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     timings[backend.name] = seconds
     start = time.perf_counter()
     try:
-        tolerance = Tolerance(backend.precision(case, device))
+        tolerance = Tolerance.of(backend.precision(case, device), case)
         empty_rows = backend.empty_row_output(case)
         comparison = compare(backend.name, actual, truth, tolerance, empty_rows, case,
                              inputs.rows)

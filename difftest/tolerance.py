@@ -7,17 +7,23 @@ unit roundoff ``u``:
 
 * rounding the probabilities to ``probabilities`` and V to ``operands`` perturbs each term
   by a relative ``u``: ``|err| <= (u_p + u_op) * sum_i p_i |v_i|``;
-* rounding q and K to ``operands`` perturbs each logit by at most about
-  ``delta = 2 u_op * ||q o k_i||_2 * softmax_scale`` (the probabilistic bound of Higham & Mary
-  for a length-D product, at ``LOGIT_SIGMAS`` standard deviations). Logits moved by at most
-  ``delta`` move each probability by a factor within ``exp(+-2 delta)``, so its relative error
-  is at most ``expm1(2 delta)``: not ``2 delta``, which only holds while ``delta`` is small.
-  On a row dominated by one token whose logits reach a hundred (fp8 operands, large scales),
-  the kernel's rounding of q legitimately multiplies the other weights by thousands
-  (docs/findings.md F15); such a row is only checked loosely, as its conditioning demands;
+* rounding q and K to ``operands`` perturbs each logit by at most about ``delta = 2 u_op * ||q
+  o k_i||_2 * softmax_scale`` (``u_op`` once per rounded side; the probabilistic bound of
+  Higham & Mary for a length-D product, at ``LOGIT_SIGMAS`` standard deviations). Logits moved
+  by at most ``delta`` move each probability by a factor within ``exp(+-2 delta)``, so its
+  relative error is at most ``expm1(2 delta)``: not ``2 delta``, which only holds while
+  ``delta`` is small. On a row dominated by one token whose logits reach a hundred (fp8
+  operands, large scales), the kernel's rounding of q legitimately multiplies the other
+  weights by thousands (docs/findings.md F15); such a row is only checked loosely, as its
+  conditioning demands;
 * storing the output rounds it by ``u_out * |o| + eta_out``, where ``eta_out`` is half the
   output dtype's smallest subnormal: an output below the normal range (fp16 below 6.1e-5)
   keeps only an absolute accuracy, and one below ``eta_out`` rounds to zero.
+
+A q or K/V that is already of the ``operands`` dtype reaches the products unrounded (a scale
+is then applied outside them: to the logits or to the output), so its terms drop out:
+:meth:`Tolerance.of` sees which from the case (fp8 queries of ``q_scale`` are fp8 values; an
+fp8 cache read by an fp8 kernel is exact), a bare ``Tolerance(precision)`` charges both.
 
 The tolerance of element ``e`` is ``FACTOR`` times that sum. It never depends on sequence
 length (the accumulation is fp32 and the data is zero-mean), and it needs no atol floor
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from difftest.backend import Precision, Reference
+from difftest.case import Case
 from difftest.dtypes import underflow_unit, unit_roundoff
 
 FACTOR = 3.0
@@ -45,14 +52,26 @@ class Tolerance:
 
     precision: Precision
     factor: float = FACTOR
+    rounds_query: bool = True  # q is rounded to ``precision.operands``
+    rounds_kv: bool = True  # the stored K/V are rounded to ``precision.operands``
+
+    @classmethod
+    def of(cls, precision: Precision, case: Case) -> Tolerance:
+        """The tolerance of ``precision`` on ``case``: q and K/V already of the operand dtype
+        are not charged a rounding."""
+        query = case.kv_dtype if case.q_scale else case.query_dtype
+        return cls(precision, rounds_query=query != precision.operands,
+                   rounds_kv=case.kv_dtype != precision.operands)
 
     def bound(self, reference: Reference) -> torch.Tensor:
         """Allowed ``|actual - expected|`` for every element, float64."""
         u_op = unit_roundoff(self.precision.operands)
         u_p = unit_roundoff(self.precision.probabilities)
         u_out = unit_roundoff(self.precision.output)
-        logit_err = 2 * u_op * LOGIT_SIGMAS * reference.logit_magnitude
-        weight_err = u_p + u_op + torch.expm1(2 * logit_err[..., None])
+        rounded = int(self.rounds_query) + int(self.rounds_kv)
+        logit_err = rounded * u_op * LOGIT_SIGMAS * reference.logit_magnitude
+        weight_err = (u_p + self.rounds_kv * u_op
+                      + torch.expm1(2 * logit_err[..., None]))
         budget = (weight_err * reference.abs_output + u_out * reference.output.abs()
                   + underflow_unit(self.precision.output))
         return self.factor * budget
