@@ -31,6 +31,7 @@ from difftest.backend import RunInputs
 from difftest.case import MODE_DEFAULTS, Case, CaseError
 from difftest.runner import Status, run_case
 from difftest.sparse_table import kernel_sequences, portable_reading_differs
+from difftest.tolerance import Tolerance
 
 BASE = Case(num_blocks=8, seq_lens=(300,), block_tables=((5, 2, 7),), selections=((0, 1, 2),),
             num_q_heads=2, seed=11)
@@ -315,8 +316,12 @@ F12_CASE = Case(num_blocks=8, seq_lens=(33,), block_tables=((7,),), selections=(
                     reason="a finding about Triton's CPU interpreter")
 def test_f12_interpreter_turns_fp32_subnormals_into_fp8_values() -> None:
     """F12: Triton's interpreter casts float32 subnormals to nonzero e4m3 (torch gives 0);
-    the fp8-query kernel then gives weights of ~1e-40 a weight of ~1e-5 and disagrees, so
-    ``triton-unified`` refuses fp8 queries on the CPU."""
+    the fp8-query kernel then gives weights of ~1e-40 a weight of ~1e-5, so ``triton-unified``
+    refuses fp8 queries on the CPU. The tolerance of fp8 queries charges the rounding of q and
+    K (fp8 dots are not exact on GPUs, difftest/tolerance.py), which on these logits admits
+    almost anything; judged by the budget of exact operands, which the H200's fp8-query kernel
+    exceeds by at most 5.3x over 2000 correct examples (docs/results.md), the interpreter's
+    output is over 1000x out."""
     import triton
     import triton.language as tl
 
@@ -332,11 +337,14 @@ def test_f12_interpreter_turns_fp32_subnormals_into_fp8_values() -> None:
     assert (x.to(torch.float8_e4m3fn).float() == 0).all()
     cpu = torch.device("cpu")
     forced = TritonUnifiedAttention(allow_interpreter_fp8_query=True)
-    result = run_case(F12_CASE, TorchReference(), [forced, TritonUnifiedAttention()], cpu)
-    assert result.results[0].status is Status.DISAGREE
-    assert result.results[0].comparison.mismatched <= 4  # a few near-zero outputs only
-    assert result.results[1].status is Status.UNSUPPORTED
-    assert result.results[1].detail == INTERPRETER_FP8_QUERY_FINDING
+    inputs = RunInputs(F12_CASE, cpu)
+    truth = TorchReference().reference(inputs)
+    exact = Tolerance(forced.precision(F12_CASE, cpu), rounds_query=False, rounds_kv=False)
+    ratio = (forced.run(inputs).double() - truth.output).abs() / exact.bound(truth)
+    assert ratio.max() > 1000 and (ratio > 1).sum() <= 4  # a few near-zero outputs only
+    result = run_case(F12_CASE, TorchReference(), [TritonUnifiedAttention()], cpu)
+    assert result.results[0].status is Status.UNSUPPORTED
+    assert result.results[0].detail == INTERPRETER_FP8_QUERY_FINDING
 
 
 def test_rows_without_context_are_undefined_in_the_3d_kernel(device_name: str) -> None:

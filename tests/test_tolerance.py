@@ -68,22 +68,22 @@ def test_the_emulated_aiter_paths_agree_on_the_f15_case() -> None:
 
 
 def test_inputs_already_of_the_operand_dtype_are_not_charged_a_rounding() -> None:
-    """An fp8 cache read by fp8 operands is exact, and so are ``q_scale``'s fp8 queries; a
-    bf16 query cast to fp8 is rounded. The charged logit error follows."""
+    """An fp8 cache read by fp8 operands is exact; a bf16 query cast to fp8 is rounded; fp8
+    queries (``q_scale``) are charged both sides. The charged logit error follows."""
     case = read_case(Path(__file__).parents[1] / "docs/data"
                      / "fp-emulator-fp8-probability-underflow.json")
     fp8 = Precision(case.kv_dtype, case.kv_dtype, "bfloat16")
     cast = Tolerance.of(fp8, case)
     assert (cast.rounds_query, cast.rounds_kv) == (True, False)
     quantized = Tolerance.of(fp8, case.replace(q_scale=2.0))
-    assert not quantized.rounds_query and not quantized.rounds_kv
+    assert quantized.rounds_query and quantized.rounds_kv
     assert Tolerance.of(Precision("float16", "float16", "float16"),
                         case.replace(query_dtype="float16")).rounds_kv  # fp8 -> fp16 dequantised
     reference = Reference(torch.zeros(1, 1, 1, dtype=torch.float64),
                           torch.ones(1, 1, 1, dtype=torch.float64),
                           torch.full((1, 1), 2.0, dtype=torch.float64),
                           torch.ones(1, dtype=torch.int32))
-    charged = [float(t.bound(reference)) for t in (Tolerance(fp8), Tolerance.of(fp8, case),
-                                                   quantized)]
+    exact = Tolerance(fp8, rounds_query=False, rounds_kv=False)
+    charged = [float(t.bound(reference)) for t in (quantized, Tolerance.of(fp8, case), exact)]
     assert charged[0] > charged[1] > charged[2]
     assert abs(charged[2] - FACTOR * (2.0**-4 + underflow_unit("bfloat16"))) < 1e-12
