@@ -315,6 +315,14 @@ BLOCK_WHY = (f"the indexer's top-k selects {BLOCK_SIZE}-token blocks (SPARSE_BLO
 ONE_KV_HEAD_SHAPE = (f"{ONE_KV_HEAD}; this kernel accepts more (its GQA grouping is "
                      "num_q_heads // num_kv_heads), which no case reaches")
 
+def _block_of_pages(kernel: str, table: str, more: str = "", more_where: str = "") -> Argument:
+    """block_size of a kernel that sees pages only: the block is its consecutive page ids."""
+    return _fixed("block_size", str(BLOCK_SIZE), f"no {kernel} parameter: it sees pages only; "
+                  f"the {BLOCK_SIZE}-token block is the {BLOCK_SIZE // PAGE_SIZE} consecutive "
+                  f"page ids per selected block in {table}{more}; {BLOCK_WHY}",
+                  f"{table} width{more_where}")
+
+
 DIMENSIONS: dict[str, tuple[Argument, ...]] = {
     "unified_attention": (
         _fixed("head_dim", str(HEAD_DIM), "unified_attention accepts any head size (padded "
@@ -326,10 +334,8 @@ DIMENSIONS: dict[str, tuple[Argument, ...]] = {
                "triton_unified_attention.py:951, 1018-1022); the adapter passes the plain "
                f"page-{PAGE_SIZE} views of {PAGE_WHY}",
                "k.shape[1], v.shape[1]; block_table holds page ids"),
-        _fixed("block_size", str(BLOCK_SIZE), "no unified_attention parameter: it sees pages "
-               f"only; the {BLOCK_SIZE}-token block is the {BLOCK_SIZE // PAGE_SIZE} "
-               "consecutive page ids per selected block in block_table and max_seqlen_k = "
-               f"topk * {BLOCK_SIZE}; {BLOCK_WHY}", "block_table width, max_seqlen_k"),
+        _block_of_pages("unified_attention", "block_table",
+                        f" and max_seqlen_k = topk * {BLOCK_SIZE}", ", max_seqlen_k"),
         _fixed("num_kv_heads", "1", ONE_KV_HEAD_SHAPE, "k.shape[2], v.shape[2]"),
     ),
     "minimax_m3_sparse_attn_decode": (
@@ -364,10 +370,7 @@ DIMENSIONS: dict[str, tuple[Argument, ...]] = {
                "aiter-pa-decode-gluon.md section 2); vLLM's MiniMax-M3 sparse PA passes "
                f"{PAGE_SIZE}-token pages only, so 64 is not tested; {PAGE_WHY}",
                "key_cache.shape[3], value_cache.shape[2] * x"),
-        _fixed("block_size", str(BLOCK_SIZE), "no pa_decode_gluon parameter: it sees pages "
-               f"only; the {BLOCK_SIZE}-token block is the {BLOCK_SIZE // PAGE_SIZE} "
-               f"consecutive page ids per selected block in block_tables; {BLOCK_WHY}",
-               "block_tables width"),
+        _block_of_pages("pa_decode_gluon", "block_tables"),
         _fixed("num_kv_heads", "1", ONE_KV_HEAD_SHAPE + " (vLLM folds heads into pages, "
                "sparse_pa.py:567-572)", "key_cache.shape[1], value_cache.shape[1]"),
     ),
