@@ -7,15 +7,15 @@ unit roundoff ``u``:
 
 * rounding the probabilities to ``probabilities`` and V to ``operands`` perturbs each term
   by a relative ``u``: ``|err| <= (u_p + u_op) * sum_i p_i |v_i|``;
-* rounding q and K to ``operands`` perturbs each logit by at most about ``delta = 2 u_op * ||q
-  o k_i||_2 * softmax_scale`` (``u_op`` once per rounded side; the probabilistic bound of
-  Higham & Mary for a length-D product, at ``LOGIT_SIGMAS`` standard deviations). Logits moved
-  by at most ``delta`` move each probability by a factor within ``exp(+-2 delta)``, so its
-  relative error is at most ``expm1(2 delta)``: not ``2 delta``, which only holds while
-  ``delta`` is small. On a row dominated by one token whose logits reach a hundred (fp8
-  operands, large scales), the kernel's rounding of q legitimately multiplies the other
-  weights by thousands (docs/findings.md F15); such a row is only checked loosely, as its
-  conditioning demands;
+* rounding q and K to ``operands`` perturbs each logit by at most about
+  ``delta = 2 u_op * ||q o k_i||_2 * softmax_scale`` (``u_op`` once per rounded side; the
+  probabilistic bound of Higham & Mary for a length-D product, at ``LOGIT_SIGMAS`` standard
+  deviations). Logits moved by at most ``delta`` move each probability by a factor within
+  ``exp(+-2 delta)``, so its relative error is at most ``expm1(2 delta)``: not ``2 delta``,
+  which only holds while ``delta`` is small. On a row dominated by one token whose logits
+  reach a hundred (fp8 operands, large scales), the kernel's rounding of q legitimately
+  multiplies the other weights by thousands (docs/findings.md F15); such a row is only
+  checked loosely, as its conditioning demands;
 * storing the output rounds it by ``u_out * |o| + eta_out``, where ``eta_out`` is half the
   output dtype's smallest subnormal: an output below the normal range (fp16 below 6.1e-5)
   keeps only an absolute accuracy, and one below ``eta_out`` rounds to zero.
@@ -50,7 +50,6 @@ from difftest.case import Case
 from difftest.dtypes import underflow_unit, unit_roundoff
 
 FACTOR = 3.0
-FP32_ROUNDOFF = 2.0**-24
 LOGIT_SIGMAS = 3.0
 
 
@@ -67,7 +66,7 @@ class Tolerance:
     def of(cls, precision: Precision, case: Case) -> Tolerance:
         """The tolerance of ``precision`` on ``case``: q and K/V already of the operand dtype
         are not charged a rounding."""
-        if case.q_scale or unit_roundoff(precision.operands) <= FP32_ROUNDOFF:
+        if case.q_scale or unit_roundoff(precision.operands) <= unit_roundoff("float32"):
             return cls(precision)  # fp8 x fp8 dots on GPUs; float32 accumulation error
         return cls(precision, rounds_query=case.query_dtype != precision.operands,
                    rounds_kv=case.kv_dtype != precision.operands)
