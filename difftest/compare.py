@@ -9,6 +9,7 @@ the :mod:`difftest.diagnosis` of a disagreement (what the worst rows read instea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -16,6 +17,7 @@ import torch
 
 from difftest.backend import EmptyRowOutput
 from difftest.case import Case
+from difftest.graphs import GraphCache
 from difftest.sparse_table import SparseRow, row_page_ids
 from difftest.tolerance import Reference, Tolerance
 
@@ -119,24 +121,21 @@ class Comparison:
         return data
 
 
-def compare(
-    backend: str,
-    actual: torch.Tensor,
-    reference: Reference,
-    tolerance: Tolerance,
-    empty_row_output: EmptyRowOutput,
-    case: Case,
-    rows: tuple[SparseRow, ...],
-) -> Comparison:
-    """Compare ``actual`` with ``reference`` element by element."""
-    expected_shape = tuple(reference.output.shape)
-    if tuple(actual.shape) != expected_shape:
-        raise ValueError(f"{backend} returned shape {tuple(actual.shape)}, "
-                         f"expected {expected_shape}")
-    ref = reference.output
-    got = actual.detach().to(device=ref.device, dtype=torch.float64)
-    bound = tolerance.bound(reference)
-    active = (reference.context_lens.to(ref.device) > 0)[:, None, None].expand_as(ref)
+_GRAPHS = GraphCache()  # the comparison's CUDA graphs, one per repeating signature
+
+
+def _measured(actual: torch.Tensor, output: torch.Tensor, abs_output: torch.Tensor,
+              logit_magnitude: torch.Tensor, context_lens: torch.Tensor,
+              params: tuple[Tolerance, EmptyRowOutput]) -> tuple[torch.Tensor, ...]:
+    """The comparison's device work, a pure function of its tensors (so it can be replayed
+    from a CUDA graph, :mod:`difftest.graphs`): every number the verdict and the message
+    need in one float64 tensor (counts are exact in float64 below 2**53; the maxima are
+    float64 already), then what the worst locations read."""
+    tolerance, empty_row_output = params
+    ref = output
+    got = actual.to(torch.float64)
+    bound = tolerance.bound(Reference(output, abs_output, logit_magnitude, context_lens))
+    active = (context_lens > 0)[:, None, None].expand_as(ref)
     error = (got - ref).abs()
     finite = torch.isfinite(got)
     error = torch.where(finite, error, torch.full_like(error, float("inf")))
@@ -150,17 +149,37 @@ def compare(
     elif empty_row_output is EmptyRowOutput.UNTOUCHED:
         violations = empty & ~torch.isnan(got).flatten(1).all(dim=1)
 
-    # Every number the verdict and the message need, in one device-to-host copy (counts are
-    # exact in float64 below 2**53; the maxima are float64 already).
     zero = torch.zeros((), dtype=torch.float64, device=ref.device)
     active_err = torch.where(active, error, torch.zeros_like(error))
     counts = torch.stack([t.sum() for t in (active & ~finite, mismatch, active, empty,
                                             violations)]).to(torch.float64)
     maxima = torch.stack([active_err.max() if active_err.numel() else zero,
                           ratio.max() if ratio.numel() else zero]).to(torch.float64)
-    values = torch.cat((counts, maxima)).tolist()
-    nonfinite, mismatched, checked, empty_rows, violated = (int(v) for v in values[:5])
-    max_abs_error, max_ratio = values[5:]
+    return torch.cat((counts, maxima)), ratio, got, error, bound, mismatch
+
+
+def compare(
+    backend: str,
+    actual: torch.Tensor,
+    reference: Reference,
+    tolerance: Tolerance,
+    empty_row_output: EmptyRowOutput,
+    case: Case,
+    rows: Sequence[SparseRow],
+) -> Comparison:
+    """Compare ``actual`` with ``reference`` element by element."""
+    expected_shape = tuple(reference.output.shape)
+    if tuple(actual.shape) != expected_shape:
+        raise ValueError(f"{backend} returned shape {tuple(actual.shape)}, "
+                         f"expected {expected_shape}")
+    ref = reference.output
+    args = (actual.detach().to(device=ref.device), ref, reference.abs_output,
+            reference.logit_magnitude, reference.context_lens.to(ref.device))
+    values, ratio, got, error, bound, mismatch = _GRAPHS(
+        _measured, args, (tolerance, empty_row_output))
+    counts = values.tolist()  # the one device-to-host copy
+    nonfinite, mismatched, checked, empty_rows, violated = (int(v) for v in counts[:5])
+    max_abs_error, max_ratio = counts[5:]
     worst = _worst_locations(ratio, got, ref, error, bound, mismatch, case, rows) if (
         mismatched) else ()
     return Comparison(
@@ -187,7 +206,7 @@ def _worst_locations(
     bound: torch.Tensor,
     mismatch: torch.Tensor,
     case: Case,
-    rows: tuple[SparseRow, ...],
+    rows: Sequence[SparseRow],
 ) -> tuple[Location, ...]:
     """The worst mismatching element of each of the worst rows."""
     ratio, got, ref, error, bound, mismatch = (
