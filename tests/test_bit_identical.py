@@ -59,7 +59,7 @@ def input_digests(inputs: RunInputs) -> dict[str, str]:
                "cache:plain": inputs.cache("plain").raw,
                "cache:shuffled": inputs.cache("shuffled").raw,
                "sparse_table": inputs.sparse_table[0], "context_lens": inputs.sparse_table[1]}
-    digests = {name: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes())
+    digests = {name: hashlib.sha256(t.contiguous().cpu().view(torch.uint8).numpy().tobytes())
                .hexdigest()[:16] for name, t in tensors.items()}
     digests["blocks"] = hashlib.sha256(
         repr((data.physical_blocks, data.valid_tokens)).encode()).hexdigest()[:16]
@@ -163,6 +163,14 @@ def test_inputs_and_verdicts_are_unchanged(entry: dict[str, Any]) -> None:
         new = found[name]
         assert (new["agrees"], new["mismatched"]) == (old["agrees"], old["mismatched"]), name
         assert math.isclose(new["max_ratio"], old["max_ratio"], rel_tol=1e-6), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("entry", _entries(), ids=lambda e: e["case"]["name"] or e["case"]["id"])
+def test_inputs_built_on_the_gpu_are_the_recorded_ones(entry: dict[str, Any]) -> None:
+    """Generation and the cache build on a GPU (fused kernels there) give the CPU's bytes."""
+    inputs = RunInputs(Case.from_dict(entry["case"]), torch.device("cuda"))
+    assert input_digests(inputs) == entry["inputs"]
 
 
 def test_record_holds_corpus_and_generated_cases() -> None:
