@@ -24,7 +24,7 @@ import torch
 
 from difftest.case import Case
 from difftest.inputs import CaseData, generate
-from difftest.layouts import CacheViews, build_cache
+from difftest.layouts import CachePool, CacheViews, build_cache
 from difftest.sparse_table import SparseRow, build_rows, page_table
 
 
@@ -143,11 +143,17 @@ def takes_options(backend: Backend) -> TypeGuard[ConfigurableBackend]:
 
 @dataclass
 class RunInputs:
-    """Everything derived from a case that backends may read; built lazily, once per case."""
+    """Everything derived from a case that backends may read; built lazily, once per case.
+
+    ``pool``: a session's :class:`~difftest.layouts.CachePool`, whose buffers the caches are
+    built in (the same bytes; valid until the pool's next case); without one each cache is a
+    fresh :func:`~difftest.layouts.build_cache`.
+    """
 
     case: Case
     device: torch.device
     _caches: dict[str, CacheViews] = field(default_factory=dict, repr=False)
+    pool: CachePool | None = field(default=None, repr=False)
 
     @cached_property
     def data(self) -> CaseData:
@@ -168,9 +174,13 @@ class RunInputs:
     def cache(self, in_page_order: str) -> CacheViews:
         """The physical cache and page-16 views in ``in_page_order`` (built once)."""
         if in_page_order not in self._caches:
-            self._caches[in_page_order] = build_cache(
-                self.case, self.data, self.rows, in_page_order
-            )
+            if self.pool is not None:
+                self._caches[in_page_order] = self.pool.cache(self.case, self.data,
+                                                              in_page_order)
+            else:
+                self._caches[in_page_order] = build_cache(
+                    self.case, self.data, self.rows, in_page_order
+                )
         return self._caches[in_page_order]
 
     def output(self, dtype: torch.dtype) -> torch.Tensor:

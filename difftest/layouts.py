@@ -17,6 +17,11 @@ block 0 (vLLM's null block), which kernels legitimately load for padded lanes an
 by zero. A case with ``canary`` set goes further: every slot of an attended block that no
 row reads (outside every row's sliding window, past the written tokens) is NaN, so a kernel
 that loads such a slot and multiplies it by a zero weight is caught too.
+
+Reuse: :func:`build_cache` fills a fresh buffer per case; a session's :class:`CachePool` keeps
+one buffer per (layout, order) and rewrites only the blocks that differ (the same bytes; on a
+GPU its attended blocks are written by one fused Triton kernel per side,
+:mod:`difftest._cache_triton`).
 """
 
 from __future__ import annotations
@@ -112,7 +117,7 @@ def build_cache(
     """
     if in_page_order not in IN_PAGE_ORDERS:
         raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
-    n, nkv, d, ps = case.num_blocks, case.num_kv_heads, case.head_dim, case.page_size
+    n, nkv, d = case.num_blocks, case.num_kv_heads, case.head_dim
     device = data.k_stored.device
     # Page order does not matter for uniform pages, so only attended blocks are shuffled.
     sides = torch.full((n, 2, case.block_size, nkv, d), float("nan"), dtype=data.k_stored.dtype,
@@ -126,10 +131,18 @@ def build_cache(
     c = nkv * d
     if case.kv_layout == "LBHNC":
         raw = sides.reshape(n, 2, case.block_size, c)
+    else:
+        raw = sides.reshape(n, 2, case.block_size, c).transpose(0, 1).contiguous()
+    return _views(case, raw, in_page_order)
+
+
+def _views(case: Case, raw: torch.Tensor, in_page_order: str) -> CacheViews:
+    """The page-16 views of ``raw`` (LBHNC ``[n, 2, 128, c]``, LHBNC ``[2, n, 128, c]``)."""
+    n, nkv, d, ps = case.num_blocks, case.num_kv_heads, case.head_dim, case.page_size
+    if case.kv_layout == "LBHNC":
         k_src = v_src = raw
         pages_per_block, v_offset = 2 * case.pages_per_side, case.pages_per_side
     else:
-        raw = sides.reshape(n, 2, case.block_size, c).transpose(0, 1).contiguous()
         k_src, v_src = raw[0], raw[1]
         pages_per_block, v_offset = case.pages_per_side, 0
     count = n * pages_per_block
@@ -141,3 +154,170 @@ def build_cache(
         k = k_src.view(count, nkv, d // x, ps, x)
         v = v_src.view(count, nkv, ps // x, d, x)[v_offset:]
     return CacheViews(case.kv_layout, in_page_order, raw, k, v, pages_per_block, v_offset)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers of its element size (bit moves never touch a NaN payload)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _bits(make: torch.Tensor) -> int:
+    """The bit pattern of a one-element tensor, as its integer view's value."""
+    return int(_ints(make.reshape(1))[0])
+
+
+def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order: str,
+                   triton: bool) -> None:
+    """Write the attended blocks of ``case`` into ``raw`` (LBHNC ``[n, 2, 128, c]``, LHBNC
+    ``[2, n, 128, c]``), each block whole, with the bytes :func:`build_cache` gives them.
+
+    ``triton``: one fused kernel per side (:mod:`difftest._cache_triton`; the GPU path, or the
+    interpreter in tests) instead of the torch stack, masks and index copy (the CPU path).
+    """
+    if not data.block_ids.numel():
+        return
+    ints, lhbnc = _ints(raw), case.kv_layout == "LHBNC"
+    if not triton:
+        attended = _attended_sides(case, data)
+        if in_page_order == "shuffled":
+            attended = _shuffle(attended, case)
+        src = _ints(attended).reshape(attended.shape[0], 2, case.block_size, -1)
+        if lhbnc:
+            ints.index_copy_(1, data.block_ids, src.transpose(0, 1))
+        else:
+            ints.index_copy_(0, data.block_ids, src)
+        return
+    from difftest._cache_triton import write_attended_triton
+
+    dtype = data.k_stored.dtype
+    # the constants _attended_sides makes, so the same bits
+    poison = _bits(torch.tensor(POISON, dtype=dtype, device="cpu"))
+    nan = _bits(torch.tensor(float("nan"), dtype=dtype, device="cpu"))
+    canary = case.canary
+    write_attended_triton(
+        ints, _ints(data.k_stored), _ints(data.v_stored), data.block_ids, data.written,
+        data.written if canary else _reach(case, data),
+        _read_slots(case, data) if canary else None, lhbnc=lhbnc,
+        shuffled=in_page_order == "shuffled", page_size=case.page_size, poison=poison,
+        nan=nan)
+
+
+@dataclass
+class _Slot:
+    key: tuple[object, ...]
+    raw: torch.Tensor
+    wrote: torch.Tensor  # the block ids the last build wrote (int64, on the device)
+    check: int = 0  # the next chunk of blocks to verify
+
+
+class PooledCacheModified(RuntimeError):
+    """Bytes of a pooled cache outside the blocks its last build wrote have changed."""
+
+
+class CachePool:
+    """Physical cache buffers kept across a session's cases, one per (layout, in-page order).
+
+    :func:`build_cache` fills a whole fresh buffer with NaN each time (at production shape
+    1.8 GB per order: most of the framework's device time per case, and freeing it costs the
+    CPU ~0.4 s). A pool keeps the buffer and, before the next case, restores only what the last
+    case wrote (its attended blocks, and block 0 to NaN with poison on page 0 of each side),
+    then writes the new case's attended blocks whole (on a GPU with one fused Triton kernel,
+    :func:`write_attended`). The cache a backend sees is bit-identical to a fresh
+    :func:`build_cache` (``tests/test_cache_reuse.py``). A slot is dropped when anything that
+    fixes its buffer changes (blocks, dtype, dims, device), so at most one buffer per
+    (layout, order) is held.
+
+    The views of one build are valid until the next build of the same slot: a pooled
+    :class:`~difftest.backend.RunInputs` must not be read after the next case starts.
+
+    The risk a fresh buffer did not have: a backend writing into its input cache outside the
+    attended blocks would leave bytes there for later cases (today they would reach only the
+    later backends of the same case). Guards: :func:`difftest.runner.run_case` clears the pool
+    after a case in which a backend failed (errored, crashed or disagreed), and each restore
+    verifies one of ``check_chunks`` rotating chunks of blocks 1.. to be NaN again (all of the
+    buffer every ``check_chunks`` cases, 1/64 of the fill's bytes read per case): a changed
+    byte drops the buffer and raises :class:`PooledCacheModified`, which the runner reports as
+    that case's cache-building error.
+    """
+
+    def __init__(self, triton: bool | None = None, check_chunks: int = 64) -> None:
+        """``triton``: write with the Triton kernel (default: on CUDA devices only)."""
+        self.triton = triton
+        self.check_chunks = max(1, check_chunks)
+        self._slots: dict[tuple[str, str], _Slot] = {}
+
+    def clear(self) -> None:
+        """Drop every buffer (the next build of each slot starts from a fresh fill)."""
+        self._slots.clear()
+
+    def buffers(self) -> int:
+        """How many buffers the pool holds."""
+        return len(self._slots)
+
+    def cache(self, case: Case, data: CaseData, in_page_order: str) -> CacheViews:
+        """The cache of ``case`` in ``in_page_order``, in the pool's buffer: the bytes of
+        ``build_cache(case, data, rows, in_page_order)``."""
+        if in_page_order not in IN_PAGE_ORDERS:
+            raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
+        device = data.k_stored.device
+        dtype = data.k_stored.dtype
+        slot_id = (case.kv_layout, in_page_order)
+        key = (case.num_blocks, dtype, case.block_size, case.page_size, case.num_kv_heads,
+               case.head_dim, device)
+        slot = self._slots.get(slot_id)
+        if slot is not None and slot.key != key:
+            del self._slots[slot_id]
+            slot = None  # freed before the new one is allocated
+        try:
+            if slot is None:
+                slot = _Slot(key, self._fresh(case, dtype, device),
+                             torch.empty(0, dtype=torch.int64, device=device))
+            else:
+                self._restore(case, slot)
+            self._slots[slot_id] = slot
+            write_attended(case, data, slot.raw, in_page_order,
+                           device.type == "cuda" if self.triton is None else self.triton)
+            slot.wrote = data.block_ids
+        except BaseException:
+            self._slots.pop(slot_id, None)  # a half-written buffer is never reused
+            raise
+        return _views(case, slot.raw, in_page_order)
+
+    @staticmethod
+    def _fresh(case: Case, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new buffer in its base state, the bytes of :func:`build_cache`'s fill."""
+        n, c = case.num_blocks, case.num_kv_heads * case.head_dim
+        if case.kv_layout == "LBHNC":
+            raw = torch.full((n, 2, case.block_size, c), float("nan"), dtype=dtype,
+                             device=device)
+            raw[0, :, : case.page_size] = POISON
+        else:
+            raw = torch.full((2, n, case.block_size, c), float("nan"), dtype=dtype,
+                             device=device)
+            raw[:, 0, : case.page_size] = POISON
+        return raw
+
+    def _restore(self, case: Case, slot: _Slot) -> None:
+        """Put back the base state where the last build wrote, and verify one chunk."""
+        raw, ints = slot.raw, _ints(slot.raw)
+        fill = _bits(torch.full((1,), float("nan"), dtype=raw.dtype))
+        poison = _bits(torch.full((1,), POISON, dtype=raw.dtype))
+        lhbnc = case.kv_layout == "LHBNC"
+        blocks = ints.transpose(0, 1) if lhbnc else ints  # [n, 2, 128, c] either way
+        if slot.wrote.numel():
+            ints.index_fill_(1 if lhbnc else 0, slot.wrote, fill)
+        blocks[0] = fill
+        blocks[0, :, : case.page_size] = poison
+        n = case.num_blocks
+        per = -(-(n - 1) // self.check_chunks)
+        lo = 1 + slot.check * per
+        slot.check = (slot.check + 1) % self.check_chunks
+        if lo < n and bool((blocks[lo: lo + per] != fill).any()):
+            raise PooledCacheModified(
+                f"the pooled {case.kv_layout} cache has non-NaN bytes in blocks "
+                f"{lo}..{min(n, lo + per) - 1}, outside every block its builds wrote: a backend "
+                f"of an earlier case (at most {self.check_chunks} cases back) wrote into its "
+                "input cache; the buffer is dropped and rebuilt fresh")

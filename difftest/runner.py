@@ -32,6 +32,7 @@ from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
 from difftest.diagnosis import diagnosis_lines
 from difftest.inputs import HostTables, generate, host_tables
+from difftest.layouts import CachePool
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
 from difftest.sparse_table import SparseRow, build_rows, page_table
 from difftest.tolerance import Reference, Tolerance
@@ -178,11 +179,12 @@ class Preparation:
             return None
 
 
-def prepared_inputs(case: Case, device: torch.device, host: PreparedHost) -> RunInputs:
+def prepared_inputs(case: Case, device: torch.device, host: PreparedHost,
+                    caches: CachePool | None = None) -> RunInputs:
     """:class:`RunInputs` whose data, page table and rows come from ``host``: the data is
     generated here (the device work), the page table moved as :class:`RunInputs` moves it,
-    the rows lazy."""
-    inputs = RunInputs(case, device)
+    the rows lazy; ``caches``: the pool its caches are built in."""
+    inputs = RunInputs(case, device, pool=caches)
     inputs.rows = LazyRows(case)  # type: ignore[misc, assignment]
     inputs.data = generate(case, inputs.rows, device, host.tables)  # type: ignore[misc]
     table, ctx = host.page_table
@@ -198,17 +200,21 @@ def run_case(
     device: torch.device,
     prepared: PreparedHost | None = None,
     diagnose: bool = True,
+    caches: CachePool | None = None,
 ) -> CaseResult:
     """Run ``case`` through ``reference`` and ``backends`` and judge each backend;
     ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`); ``diagnose``:
     whether a disagreement gets its :mod:`difftest.diagnosis` (what the worst rows read
-    instead; a benchmark that only counts verdicts can skip its cost)."""
+    instead; a benchmark that only counts verdicts can skip its cost); ``caches``: a pool the
+    session keeps across cases, so that each cache is restored and rewritten where cases
+    differ instead of filled whole (the same bytes); it is cleared after a case in which a
+    backend failed, in case the backend wrote into its input cache."""
     timings: dict[str, float] = {}
-    inputs = RunInputs(case, device)
+    inputs = RunInputs(case, device, pool=caches)
     try:
         start = time.perf_counter()
         if prepared is not None:
-            inputs = prepared_inputs(case, device, prepared)
+            inputs = prepared_inputs(case, device, prepared, caches)
         _ = inputs.data, inputs.rows, inputs.sparse_table
         _sync(device)
         timings["generate"] = time.perf_counter() - start
@@ -222,6 +228,8 @@ def run_case(
     else:
         results = [_run_backend(backend, inputs, truth, timings, diagnose)
                    for backend in backends]
+    if caches is not None and any(r.status in FAILING for r in results):
+        caches.clear()
     return CaseResult(case, reference.name, results, timings)
 
 
