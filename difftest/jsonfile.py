@@ -66,9 +66,11 @@ def number(value: Any, where: str) -> float:
     return float(value)
 
 
-def write_text(path: Path | str, text: str) -> Path:
+def write_text(path: Path | str, text: str, durable: bool = True) -> Path:
     """Replace ``path`` by a file holding ``text``, atomically (temporary file in the same
-    directory, fsync, rename); the directory is created when missing."""
+    directory, fsync, rename); the directory is created when missing. ``durable=False``
+    skips the fsync: the file then survives a crash of this process (the kernel holds it)
+    but not necessarily one of the machine."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -76,7 +78,8 @@ def write_text(path: Path | str, text: str) -> Path:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -138,3 +138,25 @@ def test_the_session_serialises_the_case_once_and_reuses_its_rows(records, monke
     monkeypatch.undo()
     from_scratch = result.record(session.store.outputs(case))
     assert session.records[-1].to_dict() == from_scratch.to_dict()
+
+
+def test_a_case_that_agrees_costs_one_fsync_and_still_names_its_backend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pending case is fsynced before anything runs; the running notes are not (they
+    survive a crash of the process, which is what attributes it), so one fsync per case."""
+    session = Session.create(["aiter-gluon@emulated"], device="cpu",
+                             artifacts=str(tmp_path))
+    case = load_corpus()[0]
+    synced, notes = [], []
+    real_fsync, real_running = jsonfile.os.fsync, session.store.running
+
+    def running(c: Case, backend: str) -> None:
+        real_running(c, backend)
+        notes.append(session.store._running_path(c).read_text())
+
+    monkeypatch.setattr(jsonfile.os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    monkeypatch.setattr(session.store, "running", running)
+    result = session.run(case)
+    assert not result.failed
+    assert len(synced) == 1
+    assert notes == ["torch-ref", "aiter-gluon@emulated"]
