@@ -179,30 +179,48 @@ def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order:
     """
     if not data.block_ids.numel():
         return
-    ints, lhbnc = _ints(raw), case.kv_layout == "LHBNC"
-    if not triton:
-        attended = _attended_sides(case, data)
-        if in_page_order == "shuffled":
-            attended = _shuffle(attended, case)
-        src = _ints(attended).reshape(attended.shape[0], 2, case.block_size, -1)
-        if lhbnc:
-            ints.index_copy_(1, data.block_ids, src.transpose(0, 1))
-        else:
-            ints.index_copy_(0, data.block_ids, src)
-        return
-    from difftest._cache_triton import write_attended_triton
-
-    dtype = data.k_stored.dtype
+    dtype, lhbnc = data.k_stored.dtype, case.kv_layout == "LHBNC"
     # the constants _attended_sides makes, so the same bits
-    poison = _bits(torch.tensor(POISON, dtype=dtype, device="cpu"))
-    nan = _bits(torch.tensor(float("nan"), dtype=dtype, device="cpu"))
-    canary = case.canary
-    write_attended_triton(
-        ints, _ints(data.k_stored), _ints(data.v_stored), data.block_ids, data.written,
-        data.written if canary else _reach(case, data),
-        _read_slots(case, data) if canary else None, lhbnc=lhbnc,
-        shuffled=in_page_order == "shuffled", page_size=case.page_size, poison=poison,
-        nan=nan)
+    poison = _bits(torch.tensor(POISON, dtype=dtype))
+    nan = _bits(torch.tensor(float("nan"), dtype=dtype))
+    ints, canary = _ints(raw), case.canary
+    if triton:
+        from difftest._cache_triton import write_attended_triton
+
+        write_attended_triton(
+            ints, _ints(data.k_stored), _ints(data.v_stored), data.block_ids, data.written,
+            data.written if canary else _reach(case, data),
+            _read_slots(case, data) if canary else None, lhbnc=lhbnc,
+            shuffled=in_page_order == "shuffled", page_size=case.page_size, poison=poison,
+            nan=nan)
+        return
+    # _attended_sides on integer views, one select per side (vectorised, where fp8 is not),
+    # copied through a shuffled view of the destination instead of a shuffled copy
+    n, nkv, d, ps, bs = (case.num_blocks, case.num_kv_heads, case.head_dim, case.page_size,
+                         case.block_size)
+    ids, device = data.block_ids, ints.device
+    tokens = torch.arange(bs, device=device).view(1, -1)
+    if canary:
+        is_data = _read_slots(case, data)
+        fill = torch.full((1, bs), nan, dtype=ints.dtype, device=device)
+    else:
+        reach = _reach(case, data).view(-1, 1)
+        is_data = (tokens < data.written.view(-1, 1)) & (tokens < reach)
+        fill = torch.where(tokens < reach, torch.tensor(poison, dtype=ints.dtype),
+                           torch.tensor(nan, dtype=ints.dtype))
+    blocks = ints.transpose(0, 1) if lhbnc else ints  # [n, 2, 128, c]
+    x, pages = 16 // raw.element_size(), bs // ps
+    for side, stored in enumerate((data.k_stored, data.v_stored)):
+        sides = torch.where(is_data[:, :, None, None], _ints(stored), fill[:, :, None, None])
+        dest, lead = blocks[:, side], sides.shape[0]
+        if in_page_order == "plain":
+            dest.view(n, bs, nkv, d).index_copy_(0, ids, sides)
+        elif side == 0:  # pages [nkv, D/x, 16, x]
+            src = sides.view(lead, pages, ps, nkv, d // x, x).permute(0, 1, 3, 4, 2, 5)
+            dest.view(n, pages, nkv, d // x, ps, x).index_copy_(0, ids, src)
+        else:  # pages [nkv, 16/x, D, x]
+            src = sides.view(lead, pages, ps // x, x, nkv, d).permute(0, 1, 4, 2, 5, 3)
+            dest.view(n, pages, nkv, ps // x, d, x).index_copy_(0, ids, src)
 
 
 @dataclass
