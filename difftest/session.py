@@ -23,6 +23,7 @@ from difftest.backend import Backend, ReferenceBackend, RunInputs, serves_as_ref
 from difftest.case import Case
 from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
+from difftest.layouts import CachePool
 from difftest.records import CaseRecord
 from difftest.report import backend_entry
 from difftest.runner import CaseResult, Preparation, run_case
@@ -86,6 +87,8 @@ class Session:
     results: list[CaseResult] = field(default_factory=list)
     records: list[CaseRecord] = field(default_factory=list)
     _pool: ProcessPoolExecutor | None = field(default=None, repr=False, compare=False)
+    # the cache buffers reused from case to case (difftest.layouts.CachePool)
+    caches: CachePool = field(default_factory=CachePool, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -151,7 +154,8 @@ class Session:
         return self._pool
 
     def close(self) -> None:
-        """Stop the preparation worker, if one was started."""
+        """Stop the preparation worker, if one was started, and free the cache buffers."""
+        self.caches.clear()
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
@@ -163,7 +167,7 @@ class Session:
         host = None if prepared is None else prepared.host()
         reference = ObservedReference(self.reference, self.store)
         result = run_case(case, reference, [ObservedBackend(b, self.store) for b in chosen],
-                          self.device, host)
+                          self.device, host, caches=self.caches)
         # The case as begin serialised it and the features from generation's rows (or from
         # the worker): neither is built twice (at production shape each cost about 10 to
         # 25 ms per case).
