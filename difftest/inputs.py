@@ -88,7 +88,13 @@ def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
     dtype = torch_dtype(dtype_name)
     if dtype_name.startswith("float8"):
         limit = finite_max(dtype_name)
-        return (real / scale).clamp(-limit, limit).to(dtype)
+        if real.device.type == "cpu":
+            return (real / scale).clamp(-limit, limit).to(dtype)
+        # CUDA divides by a CPU scalar as ``real * (1 / scale)``, not correctly rounded, so an
+        # fp8 rounding could flip against the CPU's record (F18); a 0-d device tensor of the
+        # same dtype (the scalar rounded to it as the CPU rounds it) divides exactly
+        divisor = torch.full((), scale, dtype=real.dtype, device=real.device)
+        return (real / divisor).clamp(-limit, limit).to(dtype)
     return real.to(dtype)
 
 
