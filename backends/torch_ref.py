@@ -9,11 +9,45 @@ All rows at once (in chunks of at most ``ELEMENTS_PER_CHUNK`` gathered values, w
 very large cases need): each row's segments (``data.segments``) are gathered as whole
 128-token blocks, ``[rows, width * 128, D]``, and the tokens past a segment's length (or
 outside the window) are masked, so there is no Python per row and no host synchronisation.
-Everything stays float64: on an H200 float64 GEMMs run at float32's rate (tensor-core DGEMM),
-and a float32 reference would use up the whole budget of a float32 backend (3.6e-7 of
-``sum p|v|``). The old per-chunk, per-token formulation computes the same sums in another
-order and scales every value before summing; how far the two may differ is derived in
-``docs/performance.md`` and checked by ``tests/test_reference_fast.py``.
+The output (logits, softmax, ``P V``) is float64: on an H200 float64 GEMMs run at float32's
+rate (tensor-core DGEMM), and a float32 reference would use up the whole budget of a float32
+backend (3.6e-7 of ``sum p|v|``). The old per-chunk, per-token formulation computes the same
+sums in another order and scales every value before summing; how far the two may differ is
+derived in ``docs/performance.md`` and checked by ``tests/test_reference_fast.py``.
+
+The two magnitudes the tolerance needs, ``A = sum_i p_i |v_i|`` (``abs_output``) and
+``M = max_i ||q o k_i||_2 * scale`` (``logit_magnitude``), are sums of nonnegative terms
+computed in float32 (GEMMs in full float32: TF32 and oneDNN's reduced modes are switched off
+around them) and returned as float64; they only size the tolerance. Their error against the
+float64 formulation (kept as the oracle in ``tests/test_reference_magnitudes.py``), with
+``u = 2^-24``, ``w = 2^-53`` and ``g(n, u) = n u / (1 - n u)``:
+
+* ``A``: ``fl32(p_i) = p_i (1 + a)``, ``|a| <= u`` (or an absolute ``2^-150`` below float32's
+  normal range); ``|v_i|`` of a bf16/fp16/fp8 value is exact in float32. Each 128-token
+  block's sum is one float32 GEMM: the product and the at most ``B - 1`` additions (any
+  order, with or without FMA) put every term within a factor ``(1 + u)^(B + 1)`` of its exact
+  value (``B = 128``), and since all terms are nonnegative the block's sum is within
+  ``g(B + 1, u)`` relatively; the blocks' sums are added in float64 (``g(W, w)``, ``W`` blocks).
+  The float64 formulation is within ``g(L, w)``, ``L = 128 W``, and both are scaled by
+  ``v_scale`` in float64: ``|A32 - A64| <= (g(B + 1, u) + 2 g(L + 2, w)) A64
+  + L 2^-126 max(1, max|v|) v_scale`` (the last term covers a GEMM that flushes subnormal
+  weights or products): ``7.7e-6`` relatively, at any length (one float32 GEMM over all
+  2048 tokens of a production row would allow ``1.2e-4`` and moved the greatest
+  error/tolerance of 4 of the 412 verdicts of ``tests/test_bit_identical.py`` by more than
+  1e-6, up to 1.6e-6; per block, at most 6.6e-7).
+* ``M``: ``q^2`` of a bf16/fp16 query and ``k^2`` of a bf16/fp16/fp8 value are exact in
+  float32 (8-/11-bit significands squared; exact while ``2^-63 <= |x| < 2^64``, which generated
+  data never leaves), float32 and fp8 (float64 ``stored * q_scale``) queries cost up to three
+  roundings; the products and ``D - 1`` additions bring ``g(D + 3, u)`` on the sum ``S``, and
+  ``sqrt`` halves it. ``sqrt``, the positive scale and the softcap are monotone, so the max
+  over tokens is taken on the float32 sums and commutes with them exactly; the float64 side
+  adds ``g(D + 6, w)``: ``|M32 - M64| <= (g(D + 3, u) + g(D + 6, w)) M64``, ``7.8e-6`` for
+  ``D = 128``.
+
+A tolerance is ``3 (e_w A + u_out |o| + eta)`` with ``e_w = u_p + u_kv + expm1(x)``,
+``x = 2 r u_op 3 M``; with ``A`` and ``M`` off by relative ``rho_A`` and ``rho_M`` it moves by
+at most ``(1 + rho_A) exp((1 + x) rho_M) - 1`` relatively (``log expm1`` has slope
+``1 + 1 / expm1(x) <= 1 + 1 / x``), plus ``3 e_w`` times ``A``'s absolute term.
 
 Kernel modes: a logit softcap ``c`` maps each scaled logit ``s`` to ``c * tanh(s / c)``
 (float64 ``tanh``, which saturates at any ``|s / c|``); a sliding window ``W`` masks every
@@ -23,6 +57,9 @@ logit magnitude handed to the tolerance grows by ``c``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -64,10 +101,11 @@ class TorchReference:
         return self.reference(inputs).output
 
     def reference(self, inputs: RunInputs) -> Reference:
-        """Output, ``sum p|v|`` and logit magnitudes of every row, float64."""
+        """Output, ``sum p|v|`` and logit magnitudes of every row, float64 (the magnitudes
+        computed in float32, within the module's bound)."""
         case, data, device = inputs.case, inputs.data, inputs.device
         seg = data.segments
-        f64 = torch.float64
+        f64, f32 = torch.float64, torch.float32
         shape = (case.total_q, case.num_q_heads, case.head_dim)
         out = torch.zeros(shape, dtype=f64, device=device)
         abs_out = torch.zeros(shape, dtype=f64, device=device)
@@ -77,7 +115,9 @@ class TorchReference:
             return Reference(out, abs_out, magnitude, seg.context_lens)
         k_stored, v_stored = data.k_stored[:, :, 0], data.v_stored[:, :, 0]  # [blocks, 128, D]
         query = data.query.to(f64)
+        query_sq = data.query.to(f32).square()  # exact but for float32 and fp8 (float64) q
         token = torch.arange(case.block_size, device=device)
+        logit_scale = case.softmax_scale * case.k_scale
         rows_per_chunk = max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim))
         for start in range(0, case.total_q, rows_per_chunk):
             rows = slice(start, min(start + rows_per_chunk, case.total_q))
@@ -89,16 +129,45 @@ class TorchReference:
                 mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
             mask = mask.view(n, 1, length)
             # the scales multiply the sums, not every gathered value (docs/performance.md)
-            k = k_stored[slots].to(f64).view(n, length, -1)  # [R, L, D] stored values
+            k_gathered = k_stored[slots].view(n, length, -1)  # [R, L, D] stored values
+            k = k_gathered.to(f64)
             q = query[rows]  # [R, H, D]
-            scores = torch.einsum("rhd,rld->rhl", q, k) * (case.softmax_scale * case.k_scale)
+            scores = torch.einsum("rhd,rld->rhl", q, k) * logit_scale
+            del k
             if case.softcap:
                 scores = case.softcap * torch.tanh(scores / case.softcap)
             probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
-            prod = torch.einsum("rhd,rld->rhl", q * q, k.square_()).sqrt()
-            prod = prod * (case.softmax_scale * case.k_scale) + case.softcap
-            magnitude[rows] = prod.masked_fill(~mask, 0).amax(dim=-1)
-            v = v_stored[slots].to(f64).view(n, length, -1)
-            out[rows] = torch.einsum("rhl,rld->rhd", probs, v) * case.v_scale
-            abs_out[rows] = torch.einsum("rhl,rld->rhd", probs, v.abs_()) * case.v_scale
+            v = v_stored[slots].view(n, length, -1)
+            out[rows] = torch.einsum("rhl,rld->rhd", probs, v.to(f64)) * case.v_scale
+            with _full_float32_matmul():
+                # nonnegative sums in float32, within the module docstring's bound
+                k_sq = k_gathered.to(f32).square_()
+                sums = torch.einsum("rhd,rld->rhl", query_sq[rows], k_sq)
+                del k_sq
+                # per 128-token block, the blocks' sums added in float64
+                weights = probs.to(f32).view(n, -1, seg.width, case.block_size)
+                sizes = v.to(f32).abs_().view(n, seg.width, case.block_size, -1)
+                abs_sum = torch.einsum("rhwt,rwtd->rhwd", weights, sizes).to(f64).sum(dim=2)
+            # max of the sums first: sqrt, the positive scale and the softcap are monotone,
+            # so the max commutes with them exactly; -1 marks a row that attends nothing
+            largest = sums.masked_fill(~mask, -1.0).amax(dim=-1).to(f64)
+            row_magnitude = largest.clamp(min=0).sqrt() * logit_scale + case.softcap
+            magnitude[rows] = row_magnitude.masked_fill(largest < 0, 0.0)
+            abs_out[rows] = abs_sum * case.v_scale
         return Reference(out, abs_out, magnitude, seg.context_lens)
+
+
+@contextmanager
+def _full_float32_matmul() -> Iterator[None]:
+    """float32 GEMMs in full float32 (no TF32 on CUDA, no bf16/TF32 in oneDNN on the CPU),
+    whatever an imported library (vLLM) set; the settings are restored afterwards through
+    the same (new) API, which keeps the legacy ``allow_tf32`` readable."""
+    knobs = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    saved = [knob.fp32_precision for knob in knobs]
+    try:
+        for knob in knobs:
+            knob.fp32_precision = "ieee"
+        yield
+    finally:
+        for knob, value in zip(knobs, saved, strict=True):
+            knob.fp32_precision = value
