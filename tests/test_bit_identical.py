@@ -50,6 +50,10 @@ from difftest.tolerance import Tolerance
 RECORD = Path(__file__).with_name("test_bit_identical.json")
 GENERATED = 200
 CPU = torch.device("cpu")
+# How far a greatest error/tolerance may move: the reference's tolerance magnitudes are float32
+# sums since 7b7e2f0, within 7.7e-6 (sum p|v|) and 7.8e-6 (logit magnitude) relative
+# (backends/torch_ref.py); the output and every verdict must not move at all.
+RATIO_MOVE = 2e-5
 
 
 def input_digests(inputs: RunInputs) -> dict[str, str]:
@@ -162,7 +166,7 @@ def test_inputs_and_verdicts_are_unchanged(entry: dict[str, Any]) -> None:
     for name, old in entry["verdicts"].items():
         new = found[name]
         assert (new["agrees"], new["mismatched"]) == (old["agrees"], old["mismatched"]), name
-        assert math.isclose(new["max_ratio"], old["max_ratio"], rel_tol=1e-6), name
+        assert math.isclose(new["max_ratio"], old["max_ratio"], rel_tol=RATIO_MOVE), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
