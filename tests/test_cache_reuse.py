@@ -16,7 +16,7 @@ import torch
 from difftest.backends.torch_ref import TorchReference
 from difftest.cases.corpus import load_corpus
 
-from difftest.backend import Precision, RunInputs
+from difftest.backend import RunInputs
 from difftest.case import Case
 from difftest.dtypes import KV_DTYPES
 from difftest.inputs import generate
@@ -30,6 +30,7 @@ from difftest.layouts import (
 from difftest.records import Status
 from difftest.runner import run_case
 from difftest.sparse_table import build_rows
+from tests.fake_backends import Rounded
 
 CPU = torch.device("cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -183,21 +184,19 @@ def test_a_write_outside_the_attended_blocks_is_caught_within_check_chunks_cases
     run_sequence(cases[6:], pool, CPU)
 
 
-class Agrees(TorchReference):
-    """Reads the plain cache (as a kernel would) and returns the reference, rounded."""
+class Agrees(Rounded):
+    """Reads the plain cache (as a kernel would), then returns the rounded reference;
+    ``poke`` also writes into that cache, as no kernel may."""
 
     name = "agrees"
     in_page_orders = ("plain",)
     poke = False
 
-    def precision(self, case: Case, device: torch.device) -> Precision:
-        return Precision("float16", "float16", "float16")
-
     def run(self, inputs: RunInputs) -> torch.Tensor:
         raw = inputs.cache("plain").raw
         if self.poke:
             raw[inputs.case.num_blocks - 1, 0, 0] = 2.0
-        return self.reference(inputs).output.to(torch.float16)
+        return super().run(inputs)
 
 
 class Disagrees(Agrees):

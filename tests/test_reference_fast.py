@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from difftest.backend import Precision, RunInputs
 from difftest.case import Case
 from difftest.tolerance import Reference, Tolerance
-from tests.test_reference_magnitudes import relative_bounds
+from tests.test_reference_magnitudes import MODES, relative_bounds
 
 U64 = 2.0**-53
 CPU = torch.device("cpu")
@@ -133,10 +133,6 @@ def check_within_bound(case: Case) -> None:
                  <= mag_bound + mag_slack).all())
     tightest = Tolerance(Precision("float32", "float32", "float32")).bound(old)
     assert bool((bound <= FAR_BELOW * tightest).all())
-
-
-MODES = ({}, {"softcap": 30.0}, {"sliding_window": 200}, {"sliding_window": 1},
-         {"canary": True, "sliding_window": 77, "softcap": 5.0})
 
 
 @pytest.mark.parametrize("modes", MODES, ids=lambda m: ",".join(m) or "plain")
