@@ -1,0 +1,91 @@
+"""Triton's interpreter without its repeated patching of ``triton.language`` inside a launch.
+
+Under ``TRITON_INTERPRET=1`` a launch (``GridExecutor.__call__``) patches the builtins of the
+``triton.language`` modules the kernel sees for the interpreter, runs the grid, and restores
+them. Each call of one ``@triton.jit`` function from another (``InterpretedFunction.__call__``)
+patches them again, though they are patched already: ``inspect.getmembers`` over
+``triton.language``, its ``tensor`` and ``math``, about 0.8 ms a call, 22% of the generated
+cases' time on the CPU (vLLM's kernels call small helpers in their loops; measured in
+docs/performance.md). Those re-patches set the same attributes to equivalent wrappers and are
+undone with the launch's own patches, so skipping them runs the same functions on the same
+values: :func:`skip_nested_patching` skips a nested call's patching when the callee sees no
+``triton.language`` module that the running launch has not patched. Other calls (a launch,
+a nested callee that sees another module, a call outside any launch) patch as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+
+_INSTALLED = "_difftest_skips_nested_patching"
+
+
+class _Launch:
+    """The ``triton.language`` modules (by id) a running launch has patched."""
+
+    def __init__(self) -> None:
+        self.patched: set[int] = set()
+
+
+_launches: list[_Launch] = []
+
+
+def skip_nested_patching() -> bool:
+    """Install the skip into ``triton.runtime.interpreter`` (once); False where this Triton
+    lacks the functions it wraps (then nothing changes)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    executor = getattr(interpreter, "GridExecutor", None)
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if executor is None or patch_lang is None or scope is None:
+        return False
+    if getattr(patch_lang, _INSTALLED, False):
+        return True
+    interpreter._patch_lang = _skipping(patch_lang, scope, _language_modules(interpreter))
+    executor.__call__ = _tracked(executor.__call__)
+    return True
+
+
+def _language_modules(interpreter: Any) -> Callable[[Callable[..., Any]], set[int]]:
+    lang = interpreter.tl
+
+    def modules(fn: Callable[..., Any]) -> set[int]:
+        # the modules Triton's _patch_lang patches for fn
+        return {id(v) for v in fn.__globals__.values()
+                if inspect.ismodule(v) and (v is lang or v is lang.core)}
+    return modules
+
+
+def _skipping(patch_lang: Callable[[Any], Any], scope: type,
+              modules: Callable[[Callable[..., Any]], set[int]]) -> Callable[[Any], Any]:
+    @wraps(patch_lang)
+    def patch(fn: Any) -> Any:
+        seen = modules(fn)
+        launch = _launches[-1] if _launches else None
+        if launch is not None and launch.patched and seen <= launch.patched:
+            return scope()  # nothing to patch; the caller never restores a nested scope
+        result = patch_lang(fn)
+        if launch is not None:
+            launch.patched |= seen
+        return result
+
+    setattr(patch, _INSTALLED, True)
+    return patch
+
+
+def _tracked(call: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(call)
+    def launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _launches.append(_Launch())
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            _launches.pop()
+
+    return launch

@@ -1,0 +1,70 @@
+"""Skipping the interpreter's nested re-patching (difftest/interpreter.py) changes no result."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, triton, triton.language as tl
+    from triton.runtime import interpreter
+
+    calls = []
+    original = interpreter._patch_lang
+    def counted(fn):
+        calls.append(fn.__name__)
+        return original(fn)
+    interpreter._patch_lang = counted
+    if sys.argv[1] == "skip":
+        from difftest.interpreter import skip_nested_patching
+        assert skip_nested_patching() and skip_nested_patching()  # idempotent
+
+    @triton.jit
+    def scaled(x, s):
+        return x * s + tl.sqrt(tl.abs(x))
+
+    @triton.jit
+    def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for i in range(3):
+            acc += scaled(x, i + 1.5)
+        tl.store(out_ptr + offs, tl.exp(acc * 0.01), mask=mask)
+
+    x = torch.linspace(-3, 5, 1000)
+    out = torch.empty_like(x)
+    kernel[(8,)](x, out, 1000, BLOCK=128)
+    kernel[(8,)](x, out, 1000, BLOCK=128)  # a second launch after the first one's restore
+    torch.save(out, sys.argv[2])
+    print(len(calls))
+''')
+
+
+def _run(mode: str, path: str) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, mode, path], env=env,
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
+def test_the_skip_runs_the_same_kernels_with_fewer_patches(tmp_path) -> None:
+    """Two launches of a kernel calling a helper 3 times in each of its 8 programs: the same
+    bits, and the nested patches are gone: each launch patches once for itself and once for
+    the first callee that sees ``triton.language.core`` (a ``triton.language`` function
+    written in Triton), which the kernel's own patch does not cover."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    plain = _run("plain", str(tmp_path / "plain.pt"))
+    skipped = _run("skip", str(tmp_path / "skip.pt"))
+    assert plain >= 2 * (1 + 3 * 8)
+    assert skipped == 2 * 2
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "skip.pt")
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
