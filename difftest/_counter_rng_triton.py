@@ -1,7 +1,12 @@
-"""The GPU kernel behind :func:`difftest.counter_rng.normal_rows`.
+"""The GPU kernels behind :func:`difftest.counter_rng.normal_rows` and
+:func:`difftest.counter_rng.stored_normal_rows`.
 
 The arithmetic is the torch version's, op for op: int64 lanes holding 32-bit values, each
-product masked to its low 32 bits (they are right even if the 64-bit product wraps).
+product masked to its low 32 bits (they are right even if the 64-bit product wraps). The
+stored variant quantises in the same kernel as :func:`difftest.inputs.quantize` does on the
+CPU: a correctly rounded float32 division by the scale (``div_rn``; CUDA's ``/`` and a
+division by a scalar are not, F18), saturation at the format's maximum, and a
+round-to-nearest-even cast.
 """
 
 from __future__ import annotations
@@ -9,6 +14,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+_BLOCK = 1024
+# the stored dtypes the fused cast writes (fp8 e4m3fn: Hopper's cvt.rn.satfinite, after the
+# clamp an exact RNE cast); others are cast by torch after the fused draw and division
+_CAST = {torch.float8_e4m3fn: tl.float8e4nv, torch.bfloat16: tl.bfloat16,
+         torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -20,26 +31,54 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit
-def _normal_rows_kernel(out_ptr, rows_ptr, key_ptr, row_length, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["key"])
+def _normal_rows_kernel(out_ptr, rows_ptr, key, divisor, limit, row_length,
+                        QUANTIZE: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_length
     index = tl.load(rows_ptr + r).to(tl.int64) * row_length + offs
-    k = tl.load(key_ptr)  # int64; a scalar argument >= 2**31 would be typed uint32
+    k = key.to(tl.int64)  # typed int32 or (from 2**31) uint32: zero-extended either way
     first = _mix32((index & 0xFFFFFFFF) ^ k ^ (((index >> 32) * 0x27D4EB2F) & 0xFFFFFFFF))
     second = _mix32(first ^ (k >> 1) ^ 0x165667B1)
     total = (first & 0xFFFF) + (first >> 16) + (second & 0xFFFF) + (second >> 16)
     value = ((total.to(tl.float32) + 2.0) * (1.0 / 65536.0) - 2.0) * 1.7320508075688772
-    tl.store(out_ptr + r.to(tl.int64) * row_length + offs, value, mask=mask)
+    if QUANTIZE:
+        value = tl.math.div_rn(value, divisor)
+        value = tl.minimum(tl.maximum(value, -limit), limit)
+    tl.store(out_ptr + r.to(tl.int64) * row_length + offs, value.to(OUT), mask=mask)
+
+
+def _launch(key: int, rows: torch.Tensor, row_length: int, dtype: torch.dtype,
+            scale: float | None, limit: float) -> torch.Tensor:
+    rows = rows.to(torch.int64).contiguous()
+    out = torch.empty((rows.numel(), row_length), dtype=dtype, device=rows.device)
+    if rows.numel():
+        grid = (rows.numel(), triton.cdiv(row_length, _BLOCK))
+        # scalars, no host-to-device copy (which would wait for the device): the divisor is
+        # typed float32, the scale rounded to it as the CPU's division rounds it
+        _normal_rows_kernel[grid](out, rows, key, scale or 1.0, limit, row_length,
+                                  QUANTIZE=scale is not None, OUT=_CAST[dtype], BLOCK=_BLOCK)
+    return out
 
 
 def normal_rows_triton(key: int, rows: torch.Tensor, row_length: int) -> torch.Tensor:
     """Fused ``normal_rows`` on a GPU."""
-    rows = rows.to(torch.int64).contiguous()
-    out = torch.empty((rows.numel(), row_length), dtype=torch.float32, device=rows.device)
-    if rows.numel():
-        grid = (rows.numel(), triton.cdiv(row_length, 1024))
-        key_tensor = torch.tensor([key], dtype=torch.int64, device=rows.device)
-        _normal_rows_kernel[grid](out, rows, key_tensor, row_length, BLOCK=1024)
-    return out
+    return _launch(key, rows, row_length, torch.float32, None, 0.0)
+
+
+def stored_normal_rows_triton(key: int, rows: torch.Tensor, row_length: int,
+                              dtype: torch.dtype, scale: float | None,
+                              limit: float) -> torch.Tensor:
+    """Fused ``normal_rows`` stored in ``dtype``: divided by ``scale`` and saturated at
+    ``limit`` first when ``scale`` is given (fp8), else only cast."""
+    if dtype in _CAST and (dtype != torch.float8_e4m3fn or _native_e4m3(rows.device)):
+        return _launch(key, rows, row_length, dtype, scale, limit)
+    # fnuz has no NVIDIA conversion, and OCP fp8 is converted in software before sm_89 and on
+    # ROCm (unchecked against the CPU here): the fused draw and division, then torch's cast
+    return _launch(key, rows, row_length, torch.float32, scale, limit).to(dtype)
+
+
+def _native_e4m3(device: torch.device) -> bool:
+    """Whether Triton casts float32 to fp8 e4m3fn with the hardware's RNE instruction."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)

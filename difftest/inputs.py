@@ -83,6 +83,20 @@ def _draw(seed: int, stream: int, rows: torch.Tensor, row_length: int,
     return torch.where(spikes, values * 8, values)
 
 
+def _draw_stored(seed: int, stream: int, rows: torch.Tensor, row_length: int,
+                 distribution: str, dtype_name: str, scale: float) -> torch.Tensor:
+    """``quantize(_draw(...))``: one fused kernel on a GPU for normal values (the draw, the
+    division by the scale, the saturation and the cast), the same bits."""
+    if rows.device.type != "cuda" or distribution != "normal":
+        return quantize(_draw(seed, stream, rows, row_length, distribution), dtype_name, scale)
+    from difftest._counter_rng_triton import stored_normal_rows_triton
+
+    fp8 = dtype_name.startswith("float8")
+    return stored_normal_rows_triton(counter_rng.stream_key(seed, stream), rows, row_length,
+                                     torch_dtype(dtype_name), scale if fp8 else None,
+                                     finite_max(dtype_name) if fp8 else 0.0)
+
+
 def quantize(real: torch.Tensor, dtype_name: str, scale: float) -> torch.Tensor:
     """Store real values in ``dtype_name``; fp8 stores ``real / scale`` saturated."""
     dtype = torch_dtype(dtype_name)
@@ -170,15 +184,17 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
     table_d = table_d.view(host.table_shape)
     per_block = case.block_size * case.num_kv_heads * case.head_dim
     shape = (n, case.block_size, case.num_kv_heads, case.head_dim)
-    k_real = _draw(case.seed, _KEY, block_ids, per_block, case.distribution).view(shape)
-    v_real = _draw(case.seed, _VALUE, block_ids, per_block, case.distribution).view(shape)
+    k_stored = _draw_stored(case.seed, _KEY, block_ids, per_block, case.distribution,
+                            case.kv_dtype, case.k_scale).view(shape)
+    v_stored = _draw_stored(case.seed, _VALUE, block_ids, per_block, case.distribution,
+                            case.kv_dtype, case.v_scale).view(shape)
     query = query.view(case.total_q, case.num_q_heads, case.head_dim)
     if case.q_scale:  # fp8 queries: the real query stored * q_scale, exact in float64
         query = quantize(query, case.kv_dtype, case.q_scale).to(torch.float64) * case.q_scale
     return CaseData(
         query=query if case.q_scale else query.to(torch_dtype(case.query_dtype)),
-        k_stored=quantize(k_real, case.kv_dtype, case.k_scale),
-        v_stored=quantize(v_real, case.kv_dtype, case.v_scale),
+        k_stored=k_stored,
+        v_stored=v_stored,
         physical_blocks=host.physical_blocks,
         valid_tokens=host.valid_tokens,
         slot_of=host.slot_of,

@@ -6,7 +6,10 @@ import pytest
 import torch
 from difftest.cases.corpus import load_corpus
 
+from difftest import counter_rng
 from difftest.backend import RunInputs
+from difftest.dtypes import KV_DTYPES, torch_dtype
+from difftest.inputs import _draw_stored, quantize
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 
@@ -28,3 +31,18 @@ def test_gpu_inputs_equal_cpu_inputs_bit_for_bit(case) -> None:
         assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name
     assert torch.equal(cpu.data.block_ids, gpu.data.block_ids.cpu())
     assert torch.equal(cpu.data.written, gpu.data.written.cpu())
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("scale", [2.0**-14, 1e-3, 0.05, 1.0, 3.7, 1e3])
+def test_fused_draw_and_quantise_equals_the_cpu_draw_then_quantise(kv_dtype: str,
+                                                                    scale: float) -> None:
+    """The GPU's one-kernel draw-divide-saturate-cast gives the CPU's bytes at scales that
+    push the values to saturation (small scales) and into fp8's subnormals (large ones)."""
+    rows = torch.arange(0, 4096, 7)
+    cpu = _draw_stored(5, 2, rows, 256, "normal", kv_dtype, scale)
+    gpu = _draw_stored(5, 2, rows.cuda(), 256, "normal", kv_dtype, scale).cpu()
+    assert gpu.dtype == cpu.dtype == torch_dtype(kv_dtype)
+    assert torch.equal(gpu.view(torch.uint8), cpu.view(torch.uint8))
+    expected = quantize(counter_rng.normal_rows(5, 2, rows, 256), kv_dtype, scale)
+    assert torch.equal(cpu.view(torch.uint8), expected.view(torch.uint8))
