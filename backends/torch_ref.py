@@ -14,6 +14,11 @@ rate (tensor-core DGEMM), and a float32 reference would use up the whole budget 
 backend (3.6e-7 of ``sum p|v|``). The old per-chunk, per-token formulation computes the same
 sums in another order and scales every value before summing; how far the two may differ is
 derived in ``docs/performance.md`` and checked by ``tests/test_reference_fast.py``.
+On a GPU the gathers and GEMMs are two fused Triton kernels instead
+(:mod:`backends._reference_triton`, reading float32 copies of the attended blocks): the
+same float64 and float32 sums in other orders, the same scale, softcap and softmax in torch;
+``tests/test_reference_fast.py`` checks them against the old formulation within the same
+bounds on the GPU and, under the interpreter, on the CPU.
 
 The two magnitudes the tolerance needs, ``A = sum_i p_i |v_i|`` (``abs_output``) and
 ``M = max_i ||q o k_i||_2 * scale`` (``logit_magnitude``), are sums of nonnegative terms
@@ -65,6 +70,7 @@ import torch
 
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
+from difftest.inputs import Segments
 from difftest.tolerance import Reference
 
 ELEMENTS_PER_CHUNK = 1 << 25  # gathered values of K (or V) per chunk: 256 MiB in float64
@@ -116,45 +122,87 @@ class TorchReference:
         k_stored, v_stored = data.k_stored[:, :, 0], data.v_stored[:, :, 0]  # [blocks, 128, D]
         query = data.query.to(f64)
         query_sq = data.query.to(f32).square()  # exact but for float32 and fp8 (float64) q
-        token = torch.arange(case.block_size, device=device)
         logit_scale = case.softmax_scale * case.k_scale
+        chunk = _chunk_triton if _triton_reads(k_stored) else _chunk_torch
         rows_per_chunk = max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim))
         for start in range(0, case.total_q, rows_per_chunk):
             rows = slice(start, min(start + rows_per_chunk, case.total_q))
-            slots = seg.slots[rows]
-            n = slots.shape[0]
-            mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
-            if case.sliding_window:
-                ordinal = seg.starts[rows, :, None] + token
-                mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
-            mask = mask.view(n, 1, length)
-            # the scales multiply the sums, not every gathered value (docs/performance.md)
-            k_gathered = k_stored[slots].view(n, length, -1)  # [R, L, D] stored values
-            k = k_gathered.to(f64)
-            q = query[rows]  # [R, H, D]
-            scores = torch.einsum("rhd,rld->rhl", q, k) * logit_scale
-            del k
-            if case.softcap:
-                scores = case.softcap * torch.tanh(scores / case.softcap)
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
-            v = v_stored[slots].view(n, length, -1)
-            out[rows] = torch.einsum("rhl,rld->rhd", probs, v.to(f64)) * case.v_scale
-            with _full_float32_matmul():
-                # nonnegative sums in float32, within the module docstring's bound
-                k_sq = k_gathered.to(f32).square_()
-                sums = torch.einsum("rhd,rld->rhl", query_sq[rows], k_sq)
-                del k_sq
-                # per 128-token block, the blocks' sums added in float64
-                weights = probs.to(f32).view(n, -1, seg.width, case.block_size)
-                sizes = v.to(f32).abs_().view(n, seg.width, case.block_size, -1)
-                abs_sum = torch.einsum("rhwt,rwtd->rhwd", weights, sizes).to(f64).sum(dim=2)
+            out[rows], abs_sum, sums = chunk(case, seg, rows, query[rows], query_sq[rows],
+                                             k_stored, v_stored, logit_scale)
             # max of the sums first: sqrt, the positive scale and the softcap are monotone,
             # so the max commutes with them exactly; -1 marks a row that attends nothing
-            largest = sums.masked_fill(~mask, -1.0).amax(dim=-1).to(f64)
+            largest = sums.amax(dim=-1).to(f64)
             row_magnitude = largest.clamp(min=0).sqrt() * logit_scale + case.softcap
             magnitude[rows] = row_magnitude.masked_fill(largest < 0, 0.0)
             abs_out[rows] = abs_sum * case.v_scale
         return Reference(out, abs_out, magnitude, seg.context_lens)
+
+
+Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _softcapped(case: Case, scores: torch.Tensor) -> torch.Tensor:
+    """``c * tanh(s / c)`` of the scaled logits (float64), or them if the case has no cap."""
+    return case.softcap * torch.tanh(scores / case.softcap) if case.softcap else scores
+
+
+def _chunk_torch(case: Case, seg: Segments, rows: slice, q: torch.Tensor,
+                 q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
+                 logit_scale: float) -> Chunk:
+    """One chunk of rows: ``sum p v * v_scale``, ``sum p |v|`` and the float32 ``q^2 . k^2``
+    sums (``-1`` where masked), from gathered blocks and torch GEMMs."""
+    f64, f32 = torch.float64, torch.float32
+    slots = seg.slots[rows]
+    n, length = slots.shape[0], seg.width * case.block_size
+    token = torch.arange(case.block_size, device=slots.device)
+    mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
+    if case.sliding_window:
+        ordinal = seg.starts[rows, :, None] + token
+        mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
+    mask = mask.view(n, 1, length)
+    # the scales multiply the sums, not every gathered value (docs/performance.md)
+    k_gathered = k_stored[slots].view(n, length, -1)  # [R, L, D] stored values
+    k = k_gathered.to(f64)
+    scores = _softcapped(case, torch.einsum("rhd,rld->rhl", q, k) * logit_scale)
+    del k
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    v = v_stored[slots].view(n, length, -1)
+    out = torch.einsum("rhl,rld->rhd", probs, v.to(f64)) * case.v_scale
+    with _full_float32_matmul():
+        # nonnegative sums in float32, within the module docstring's bound
+        k_sq = k_gathered.to(f32).square_()
+        sums = torch.einsum("rhd,rld->rhl", q_sq, k_sq)
+        del k_sq
+        # per 128-token block, the blocks' sums added in float64
+        weights = probs.to(f32).view(n, -1, seg.width, case.block_size)
+        sizes = v.to(f32).abs_().view(n, seg.width, case.block_size, -1)
+        abs_sum = torch.einsum("rhwt,rwtd->rhwd", weights, sizes).to(f64).sum(dim=2)
+    return out, abs_sum, sums.masked_fill(~mask, -1.0)
+
+
+def _triton_reads(k_stored: torch.Tensor) -> bool:
+    """Whether :mod:`backends._reference_triton` computes this case: on a CUDA/ROCm GPU."""
+    return k_stored.device.type == "cuda"
+
+
+def _chunk_triton(case: Case, seg: Segments, rows: slice, q: torch.Tensor,
+                  q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
+                  logit_scale: float) -> Chunk:
+    """:func:`_chunk_torch`'s three results from two fused kernels that read the stored
+    blocks themselves (the same sums in other orders; the same softmax)."""
+    from difftest.backends import _reference_triton as kernels
+
+    slots = seg.slots[rows]
+    k32, v32 = k_stored.to(torch.float32), v_stored.to(torch.float32)  # exact
+    scores, sums = kernels.scores_and_largest(
+        q.contiguous(), q_sq.contiguous(), k32, slots, seg.tokens[rows], seg.starts[rows],
+        seg.context_lens[rows], case.sliding_window or 0)
+    scores.mul_(logit_scale)  # masked logits stay -inf
+    if case.softcap:
+        scores = torch.where(scores == float("-inf"), scores, _softcapped(case, scores))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    out, abs_sum = kernels.weighted_values(probs, v32, slots)
+    return out.sum(dim=2) * case.v_scale, abs_sum.to(torch.float64).sum(dim=2), sums
 
 
 @contextmanager

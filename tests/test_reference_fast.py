@@ -23,6 +23,7 @@ from difftest.cases.corpus import load_corpus
 from difftest.cases.strategies import cases
 from hypothesis import given, settings
 
+from difftest import devices
 from difftest.backend import Precision, RunInputs
 from difftest.case import Case
 from difftest.tolerance import Reference, Tolerance
@@ -166,16 +167,23 @@ def test_chunked_rows_give_the_same_reference(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
+@pytest.mark.parametrize("modes", MODES, ids=lambda m: ",".join(m) or "plain")
 @pytest.mark.parametrize("case", load_corpus(), ids=lambda c: c.name)
-def test_gpu_reference_agrees_with_the_old_one_within_bound(case: Case) -> None:
-    """On the GPU too (other GEMM kernels, other summation orders)."""
+def test_gpu_reference_agrees_with_the_old_one_within_bound(case: Case,
+                                                            modes: dict[str, object]) -> None:
+    """On the GPU too: other GEMM kernels, and for the KV dtypes it reads the fused kernels of
+    backends/_reference_triton.py (other summation orders; softcap and window handled apart)."""
+    case = case.replace(**modes)
     inputs = RunInputs(case, torch.device("cuda"))
     new, old = TorchReference().reference(inputs), chunked_reference(inputs)
     length = inputs.data.segments.width * case.block_size
-    bound, _ = difference_bound(case, old, length)
-    abs_slack, _ = magnitude_slack(inputs, old, length)
+    bound, mag_bound = difference_bound(case, old, length)
+    abs_slack, mag_slack = magnitude_slack(inputs, old, length)
+    assert torch.equal(new.context_lens, old.context_lens)
     assert bool(((new.output - old.output).abs() <= bound).all())
     assert bool(((new.abs_output - old.abs_output).abs() <= bound + abs_slack).all())
+    assert bool(((new.logit_magnitude - old.logit_magnitude).abs()
+                 <= mag_bound + mag_slack).all())
 
 
 def test_the_bound_catches_a_wrong_reference() -> None:
@@ -186,3 +194,15 @@ def test_the_bound_catches_a_wrong_reference() -> None:
     bound, _ = difference_bound(case, old, inputs.data.segments.width * case.block_size)
     wrong = old.output.float().double()
     assert bool(((wrong - old.output).abs() > bound).any())
+
+
+@pytest.mark.parametrize("modes", MODES[:3], ids=lambda m: ",".join(m) or "plain")
+def test_the_gpu_kernels_agree_within_bound_in_the_interpreter(
+        monkeypatch: pytest.MonkeyPatch, modes: dict[str, object]) -> None:
+    """The fused kernels the reference runs on GPUs (backends/_reference_triton.py), run by
+    Triton's interpreter here, against the per-chunk reference: within the same bounds."""
+    if not devices.interpreted():
+        pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    case = next(c for c in load_corpus() if c.name == "mtp4-straddles-block-boundary")
+    monkeypatch.setattr(torch_ref, "_triton_reads", lambda k_stored: True)
+    check_within_bound(case.replace(**modes))
