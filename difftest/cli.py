@@ -77,6 +77,29 @@ def _directory(text: str) -> str:
     return text
 
 
+def _jobs(text: str) -> int:
+    """argparse type: an integer >= 1, or ``auto`` (0: decided by :func:`_job_count`)."""
+    if text == "auto":
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed (allowed: an integer >= 1, "
+                                         "or auto)")
+    return int(text)
+
+
+def _job_count(jobs: int, device: str) -> int:
+    """``--jobs`` on ``device``: ``auto`` is one per core on the CPU, one on a GPU; more
+    than one on a GPU is refused."""
+    from difftest.jobs import auto_jobs
+
+    if jobs == 0:
+        return auto_jobs() if device == "cpu" else 1
+    if jobs > 1 and device != "cpu":
+        raise UsageError(f"--jobs {jobs}: jobs split a CPU run (one core each); with a GPU "
+                         "allowed 1 or auto (one process per GPU: pytest -n, --shard)")
+    return jobs
+
+
 def _backend_names(text: str) -> list[str]:
     """argparse type: ``a,b[k=v,k2=v2],c`` as names (see :func:`difftest.registry.split_names`)."""
     try:
@@ -160,10 +183,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
+    from difftest import devices
     from difftest.audit import audit_json, audit_lines
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.generate import generated_cases
+    from difftest.jobs import runs_of_job
     from difftest.replay import report_previous_crashes
     from difftest.report import build_report, summary, write_report
     from difftest.session import Session
@@ -171,12 +196,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         shard = Shard.parse(args.shard, "--shard") if args.shard else None
+        job = Shard.parse(args.job, "--job") if args.job else None
     except ShardError as exc:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
+    if job is None:
+        args.jobs = _job_count(args.jobs, devices.resolve(_device(args.device)))
+        if args.jobs > 1:
+            return _run_jobs(args)
     session = Session.create(args.backends, args.plugin, _device(args.device),
                              args.artifacts, args.reference)
-    earlier = report_previous_crashes(args.artifacts, "difftest run")
+    # the parent of --jobs turns earlier runs' pending cases into crashes, not each job
+    earlier = [] if job else report_previous_crashes(args.artifacts, "difftest run")
     capabilities = Capabilities.probe(session.backends, session.device)
     runs: list[tuple[Case, tuple[str, ...] | None]] = [
         (case, None) for case in ([] if args.no_corpus else load_corpus())]
@@ -184,6 +215,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         generated_cases(args.examples, args.seed, capabilities.strategy()))]
     if shard is not None:
         runs = [(case, names) for case, names in runs if shard.contains(case)]
+    if job is not None:
+        runs = runs_of_job(runs, job)
     progress = Progress(len(runs))
     # On a GPU a worker process prepares the next cases' host-side inputs (Session.run_all);
     # on the CPU it would compete with the interpreted kernels for the cores.
@@ -205,14 +238,56 @@ def cmd_run(args: argparse.Namespace) -> int:
                           session.environment, earlier_crashes=earlier)
     report["config"]["audit"] = audit_json(report["cases"], session.backends, session.device)
     session.close()
+    if job is None:
+        print(summary(report))
+        for line in capabilities.lines():
+            print(f"generation: {line}")
+        print("\n".join(audit_lines(report["cases"], session.backends, session.device)))
+    if args.report:
+        write_report(args.report, report)
+        if job is None:
+            print(f"report: {args.report}")
+    return 1 if earlier or any(r.failed for r in session.results) else 0
+
+
+def _run_jobs(args: argparse.Namespace) -> int:
+    """``difftest run --jobs N``: N processes, one report (:mod:`difftest.jobs`)."""
+    from difftest.audit import audit_lines
+    from difftest.fingerprint import fingerprint
+    from difftest.jobs import run_jobs
+    from difftest.replay import report_previous_crashes
+    from difftest.report import build_report, case_records, summary, write_report
+
+    earlier = report_previous_crashes(args.artifacts, "difftest run")
+    options = [f"--device={args.device}", f"--reference={args.reference}",
+               f"--artifacts={args.artifacts}", f"--examples={args.examples}",
+               f"--seed={args.seed}", *(f"--plugin={p}" for p in args.plugin)]
+    options += [f"--backends={','.join(args.backends)}"] if args.backends else []
+    options += ["--no-corpus"] if args.no_corpus else []
+    options += [f"--shard={args.shard}"] if args.shard else []
+    report, crashes, problems = run_jobs(options, args.jobs, args.artifacts)
+    for problem in problems:
+        print(f"difftest run: {problem}", file=sys.stderr)
+    for record in crashes:
+        print(f"CRASH case {record.case_id}: replay with "
+              f"{repro_command(record.artifact or '-', tuple(args.plugin))}", file=sys.stderr)
+    found = [*earlier, *crashes]
+    if report is None:  # every job died: a report of the crashes alone
+        print("difftest run: no job wrote a report", file=sys.stderr)
+        report = build_report([], {}, {"runner": "difftest run"}, fingerprint())
+    report["config"] |= {"shard": args.shard, "jobs": args.jobs}
+    if found:
+        report["earlier_crashes"] = report.get("earlier_crashes", []) + [
+            c.to_dict() for c in found]
     print(summary(report))
-    for line in capabilities.lines():
+    for line in report["config"].get("generation", []):
         print(f"generation: {line}")
-    print("\n".join(audit_lines(report["cases"], session.backends, session.device)))
+    print("\n".join(audit_lines(report["cases"], report["config"].get("backends", []))))
     if args.report:
         write_report(args.report, report)
         print(f"report: {args.report}")
-    return 1 if earlier or any(r.failed for r in session.results) else 0
+    failed = any(record.failed for record in case_records(report))
+    return 1 if found or problems or failed else 0
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
@@ -312,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
     p.add_argument("--shard", metavar="K/N",
                    help="run only shard K of N (1-based) of the case set, split by case id")
+    p.add_argument("--jobs", type=_jobs, default=1, metavar="N|auto",
+                   help="on the CPU, split the case set across N processes, one core each "
+                   "(auto: one per core, at most 8; on a GPU, 1); one report (default 1)")
+    p.add_argument("--job", help=argparse.SUPPRESS)  # K/N: one process of --jobs N
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
     p.set_defaults(func=cmd_run)
 

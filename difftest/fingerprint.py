@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import re
 import subprocess
@@ -121,6 +122,8 @@ def fingerprint(device: Any = None) -> dict[str, Any]:
     info = dict(_static())
     info["visibility"] = runner_mask()
     info["triton_interpret"] = devices.interpreted()
+    # BLAS threads change the bits of interpreted tl.dot (numpy's matmul; difftest/jobs.py)
+    info["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     torch = sys.modules.get("torch")
     if torch is None:
         return info

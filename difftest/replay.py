@@ -63,6 +63,8 @@ def _environment_line(info: dict[str, Any]) -> str:
                                                        "aiter") if k in versions]
     if info.get("aiter_commit"):
         parts.append(f"aiter commit {info['aiter_commit']}")
+    if info.get("triton_interpret") and info.get("omp_num_threads"):
+        parts.append(f"OMP_NUM_THREADS={info['omp_num_threads']}")
     return ", ".join(parts)
 
 

@@ -73,9 +73,9 @@ def comparable_case(record: CaseRecord) -> str:
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A report's config without the shard and the audit of its cases (which differ between
-    shards by design)."""
-    return {k: v for k, v in config.items() if k not in ("shard", "workers", "audit")}
+    """A report's config without the shard, the processes that ran it and the audit of its
+    cases (which differ between shards by design)."""
+    return {k: v for k, v in config.items() if k not in ("shard", "workers", "jobs", "audit")}
 
 
 def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False

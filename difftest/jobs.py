@@ -1,0 +1,96 @@
+"""``difftest run --jobs N`` on the CPU: the case set split across N local processes, their
+reports joined into one.
+
+Triton's interpreter and the float64 reference run in one Python thread, so one process
+uses one core. Each job is ``difftest run`` with the same options plus ``--job K/N``: it
+builds the same case set (the corpus, the generated cases, the shard) and runs the cases at
+positions ``K - 1, K - 1 + N, ...`` of it, writing pending files to the shared artifacts
+directory as any run does. This process relays each job's lines prefixed ``[job K/N]``,
+turns the pending case of a job that died into a crash artifact (as the next run would),
+and merges the jobs' reports with :func:`difftest.shard.merge_reports`: the report is the
+one a single process writes, but for timings, ``config.jobs`` and ``merged_from`` (the
+cases each job ran). Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread
+for torch and for numpy's BLAS (whose threads otherwise spin against the other jobs: the
+README's main job took 61.6 s with two jobs at the default threads, 43.6 s with one each).
+The BLAS thread count changes the bits of the interpreter's ``tl.dot`` (vllm-triton-sparse's
+outputs in 2 of 22 cases), so a job's results equal those of one process run with the same
+``OMP_NUM_THREADS``; the fingerprint records it and a replay shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from difftest.artifacts import ArtifactStore
+from difftest.records import CaseRecord
+from difftest.shard import Shard, merge_reports
+
+MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many (each job holds torch and vLLM)
+
+
+def auto_jobs() -> int:
+    """The jobs ``--jobs auto`` runs: one per core, at most :data:`MAX_AUTO_JOBS`."""
+    return max(1, min(os.cpu_count() or 1, MAX_AUTO_JOBS))
+
+
+def runs_of_job(runs: Sequence[Any], job: Shard) -> list[Any]:
+    """The runs job ``K/N`` takes: every N-th from position ``K - 1`` (interleaved, so that
+    expensive neighbours spread over the jobs)."""
+    return list(runs[job.index - 1::job.count])
+
+
+def run_jobs(options: Sequence[str], jobs: int, artifacts: str
+             ) -> tuple[dict[str, Any] | None, list[CaseRecord], list[str]]:
+    """Run ``difftest run <options>`` as ``jobs`` processes; return the merged report (None if
+    no job wrote one), the crash records of jobs that died, and what went wrong."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    problems: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="difftest-jobs-") as tmp:
+        paths = [Path(tmp) / f"job-{k}.json" for k in range(1, jobs + 1)]
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "difftest.cli", "run", *options, "--job", f"{k}/{jobs}",
+             "--report", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env) for k, path in enumerate(paths, 1)]
+        relays = [threading.Thread(target=_relay, args=(stream, out, f"[job {k}/{jobs}] "))
+                  for k, proc in enumerate(procs, 1)
+                  for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for relay in relays:
+            relay.start()
+        for relay in relays:
+            relay.join()
+        dead = {}
+        for k, proc in enumerate(procs, 1):
+            if proc.wait() not in (0, 1):
+                dead[proc.pid] = k
+                problems.append(f"job {k}/{jobs} died (exit status {proc.returncode}); the "
+                                "cases after the one it died in did not run")
+        crashes = ArtifactStore(artifacts).recover_crashes(
+            "found by difftest run --jobs when its job died", set(dead)) if dead else []
+        reports = [(f"job {k}/{jobs}", _read(path)) for k, path in enumerate(paths, 1)
+                   if path.is_file()]
+    if not reports:
+        return None, crashes, problems
+    # the jobs share one config, so the only warnings are of --shard's other shards missing
+    merged, _ = merge_reports(reports)
+    return merged, crashes, problems
+
+
+def _read(path: Path) -> dict[str, Any]:
+    from difftest.report import read_report
+
+    return read_report(path)
+
+
+def _relay(stream: IO[str] | None, out: IO[str], prefix: str) -> None:
+    assert stream is not None
+    for line in stream:
+        out.write(prefix + line)
+        out.flush()
