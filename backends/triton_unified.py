@@ -223,8 +223,8 @@ class TritonUnifiedAttention:
         views = inputs.cache("plain")
         table, ctx = inputs.sparse_table
         seqs = kernel_sequences(case)
-        last = torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long,
-                            device=table.device)
+        last = devices.to_device(
+            torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long), table.device)
         lengths = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32)
         query = inputs.data.query
         if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs.py)
@@ -238,7 +238,7 @@ class TritonUnifiedAttention:
             k=views.k,
             v=views.v,
             out=out,
-            cu_seqlens_q=lengths.cumsum(0, dtype=torch.int32).to(device),
+            cu_seqlens_q=devices.to_device(lengths.cumsum(0, dtype=torch.int32), device),
             max_seqlen_q=max(n for _, n in seqs),
             seqused_k=ctx[last],
             max_seqlen_k=case.topk * case.block_size,
@@ -247,7 +247,7 @@ class TritonUnifiedAttention:
             window_size=window,
             block_table=table[last],
             softcap=case.softcap,
-            q_descale=(torch.tensor([case.q_scale], dtype=torch.float32, device=device)
+            q_descale=(devices.to_device(torch.tensor([case.q_scale], dtype=torch.float32), device)
                        if case.q_scale else None),
             k_descale=k_scale if fp8 else None,
             v_descale=v_scale if fp8 else None,

@@ -23,6 +23,7 @@ from typing import Protocol, TypeGuard, runtime_checkable
 import torch
 
 from difftest.case import Case
+from difftest.devices import to_device
 from difftest.inputs import CaseData, generate
 from difftest.layouts import CachePool, CacheViews, build_cache
 from difftest.sparse_table import SparseRow, build_rows, page_table
@@ -195,19 +196,19 @@ class RunInputs:
         for r, row in enumerate(self.case.block_tables):
             if row:
                 table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        return table.to(self.device)
+        return to_device(table, self.device)
 
     def seq_lens(self) -> torch.Tensor:
         """Per-request sequence lengths, int32."""
-        return torch.tensor(self.case.seq_lens, dtype=torch.int32, device=self.device)
+        return to_device(torch.tensor(self.case.seq_lens, dtype=torch.int32), self.device)
 
     def selections(self) -> torch.Tensor:
         """Top-k selections ``[1, total_q, topk]`` int32, as the indexer emits them."""
-        return torch.tensor(self.case.selections, dtype=torch.int32, device=self.device)[None]
+        return to_device(torch.tensor(self.case.selections, dtype=torch.int32), self.device)[None]
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """0-d fp32 K and V scales, as vLLM's layers register them."""
-        return (
-            torch.tensor(self.case.k_scale, dtype=torch.float32, device=self.device),
-            torch.tensor(self.case.v_scale, dtype=torch.float32, device=self.device),
-        )
+        scales = to_device(torch.tensor((self.case.k_scale, self.case.v_scale),
+                                        dtype=torch.float32), self.device)
+        return scales[0], scales[1]
+

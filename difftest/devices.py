@@ -4,18 +4,23 @@
 drivers' files and the visibility variables) finds one visible to this process. On a machine
 without GPUs the CPU runtime is prepared for vLLM's Triton kernels: they run under
 ``TRITON_INTERPRET=1`` and need ``CUDA_VISIBLE_DEVICES=""`` set before vLLM is imported.
-The GPU counts are re-exported for the backends that choose a kernel by vendor.
+The GPU counts are re-exported for the backends that choose a kernel by vendor;
+:func:`to_device` moves host tensors onto a GPU without waiting for its queued work.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from difftest.gpus import gpu_vendor, physical_gpu_count, visible_gpu_count
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["DEVICE_CHOICES", "gpu_vendor", "interpreted", "physical_gpu_count",
-           "prepare_runtime", "resolve", "visible_gpu_count"]
+           "prepare_runtime", "resolve", "to_device", "visible_gpu_count"]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 
@@ -62,3 +67,11 @@ def share_cpu_threads(processes: int) -> int:
     if not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, processes)))
     return torch.get_num_threads()
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``; to a GPU through pinned memory, without blocking: a copy from
+    pageable memory first waits for all the work queued on the device."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

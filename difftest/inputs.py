@@ -19,6 +19,7 @@ import torch
 
 from difftest import counter_rng
 from difftest.case import Case
+from difftest.devices import to_device
 from difftest.dtypes import finite_max, torch_dtype
 from difftest.sparse_table import SparseRow
 
@@ -178,7 +179,7 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
     q_rows = torch.arange(case.total_q, device=device)
     query = _draw(case.seed, _QUERY, q_rows, per_row, case.distribution)
     # one host-to-device copy for every table
-    packed = torch.from_numpy(host.packed).to(device)
+    packed = to_device(torch.from_numpy(host.packed), device)
     n, (_, total_q, width) = host.num_blocks, host.table_shape
     block_ids, written_d, table_d, ctx_d = packed.split((n, n, 3 * total_q * width, total_q))
     table_d = table_d.view(host.table_shape)
