@@ -26,6 +26,7 @@ GPU its attended blocks are written by one fused Triton kernel per side,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -117,22 +118,21 @@ def build_cache(
     """
     if in_page_order not in IN_PAGE_ORDERS:
         raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
-    n, nkv, d = case.num_blocks, case.num_kv_heads, case.head_dim
+    nkv, d = case.num_kv_heads, case.head_dim
     device = data.k_stored.device
-    # Page order does not matter for uniform pages, so only attended blocks are shuffled.
-    sides = torch.full((n, 2, case.block_size, nkv, d), float("nan"), dtype=data.k_stored.dtype,
-                       device=device)
+    # The buffer is allocated in its layout's order and written through a [n, 2, ...] view
+    # (LHBNC's a transposed one), not built block-major and copied (540 MB, 1.5 s on a CPU).
+    raw = torch.full(_raw_shape(case), float("nan"), dtype=data.k_stored.dtype, device=device)
+    sides = raw.unflatten(-1, (nkv, d))
+    if case.kv_layout != "LBHNC":
+        sides = sides.transpose(0, 1)  # [n, 2, 128, nkv, D], writing into raw
     sides[0, :, : case.page_size] = POISON
+    # Page order does not matter for uniform pages, so only attended blocks are shuffled.
     attended = _attended_sides(case, data)
     if attended.shape[0]:
         if in_page_order == "shuffled":
             attended = _shuffle(attended, case)
         sides[data.block_ids] = attended
-    c = nkv * d
-    if case.kv_layout == "LBHNC":
-        raw = sides.reshape(n, 2, case.block_size, c)
-    else:
-        raw = sides.reshape(n, 2, case.block_size, c).transpose(0, 1).contiguous()
     return _views(case, raw, in_page_order)
 
 
@@ -231,6 +231,18 @@ class _Slot:
     check: int = 0  # the next chunk of blocks to verify
 
 
+def _raw_shape(case: Case) -> tuple[int, int, int, int]:
+    """The physical buffer's shape: LBHNC ``[n, 2, 128, c]``, LHBNC ``[2, n, 128, c]``."""
+    n, c = case.num_blocks, case.num_kv_heads * case.head_dim
+    return (n, 2, case.block_size, c) if case.kv_layout == "LBHNC" else (2, n, case.block_size, c)
+
+
+def _holds(spare: torch.Tensor, case: Case, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``spare``'s memory can hold ``case``'s buffer in ``dtype`` on ``device``."""
+    needed = math.prod(_raw_shape(case)) * torch.empty(0, dtype=dtype).element_size()
+    return spare.device == device and spare.numel() * spare.element_size() >= needed
+
+
 class PooledCacheModified(RuntimeError):
     """Bytes of a pooled cache outside the blocks its last build wrote have changed."""
 
@@ -246,7 +258,7 @@ class CachePool:
     :func:`write_attended`). The cache a backend sees is bit-identical to a fresh
     :func:`build_cache` (``tests/test_cache_reuse.py``). A slot is dropped when anything that
     fixes its buffer changes (blocks, dtype, dims, device), so at most one buffer per
-    (layout, order) is held.
+    (layout, order) is held; its memory is refilled for the new buffer when large enough.
 
     The views of one build are valid until the next build of the same slot: a pooled
     :class:`~difftest.backend.RunInputs` must not be read after the next case starts.
@@ -286,13 +298,17 @@ class CachePool:
         key = (case.num_blocks, dtype, case.block_size, case.page_size, case.num_kv_heads,
                case.head_dim, device)
         slot = self._slots.get(slot_id)
+        spare = None
         if slot is not None and slot.key != key:
-            del self._slots[slot_id]
-            slot = None  # freed before the new one is allocated
+            spare = self._slots.pop(slot_id).raw  # its memory is refilled if large enough
+            slot = None
         try:
             if slot is None:
-                slot = _Slot(key, self._fresh(case, dtype, device),
+                if spare is not None and not _holds(spare, case, dtype, device):
+                    spare = None  # freed before the new buffer is allocated
+                slot = _Slot(key, self._fresh(case, dtype, device, spare),
                              torch.empty(0, dtype=torch.int64, device=device))
+                spare = None
             else:
                 self._restore(case, slot)
             self._slots[slot_id] = slot
@@ -305,16 +321,22 @@ class CachePool:
         return _views(case, slot.raw, in_page_order)
 
     @staticmethod
-    def _fresh(case: Case, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new buffer in its base state, the bytes of :func:`build_cache`'s fill."""
-        n, c = case.num_blocks, case.num_kv_heads * case.head_dim
-        if case.kv_layout == "LBHNC":
-            raw = torch.full((n, 2, case.block_size, c), float("nan"), dtype=dtype,
-                             device=device)
+    def _fresh(case: Case, dtype: torch.dtype, device: torch.device,
+               spare: torch.Tensor | None = None) -> torch.Tensor:
+        """A buffer in its base state, the bytes of :func:`build_cache`'s fill: in the memory
+        of ``spare`` (the slot's last buffer, which the caller found large enough), which
+        spares the CPU faulting in fresh pages (0.1-0.75 s at 8235 blocks), else new."""
+        lbhnc = case.kv_layout == "LBHNC"
+        shape = _raw_shape(case)
+        if spare is not None:
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            raw = spare.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
+            raw.fill_(float("nan"))
+        else:
+            raw = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        if lbhnc:
             raw[0, :, : case.page_size] = POISON
         else:
-            raw = torch.full((2, n, case.block_size, c), float("nan"), dtype=dtype,
-                             device=device)
             raw[:, 0, : case.page_size] = POISON
         return raw
 

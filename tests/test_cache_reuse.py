@@ -268,3 +268,19 @@ def test_gpu_pool_equals_fresh_builds_at_production_shape() -> None:
             pooled = pool.cache(case, data, order)
             assert torch.equal(pooled.raw.view(torch.uint8), fresh.raw.view(torch.uint8))
             del fresh
+
+
+def test_a_new_geometry_refills_the_slots_memory_when_it_fits() -> None:
+    """A smaller or narrower buffer after a larger one lives in the larger one's memory (no
+    fresh pages), with the bytes of a fresh build; a larger one gets new memory."""
+    pool = CachePool(triton=False)
+    big = generated(1)  # 48 blocks, float16
+    base = pool.cache(big, generate(big, build_rows(big)), "plain").raw.data_ptr()
+    for case in (generated(2, num_blocks=40), generated(3, kv_dtype="float8_e4m3fn")):
+        data = generate(case, build_rows(case))
+        views = pool.cache(case, data, "plain")
+        assert views.raw.data_ptr() == base and pool.buffers() == 1
+        fresh = build_cache(case, data, build_rows(case), "plain").raw
+        assert torch.equal(views.raw.view(torch.uint8), fresh.view(torch.uint8))
+    bigger = generated(4, num_blocks=200)
+    assert pool.cache(bigger, generate(bigger, build_rows(bigger)), "plain").raw.shape[0] == 200
