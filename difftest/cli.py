@@ -142,9 +142,10 @@ def _add_session_options(parser: argparse.ArgumentParser) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr (one line per case when stderr is not a terminal)."""
+    """A one-line progress bar on stderr (one line per case when stderr is not a terminal);
+    without a total (a job of ``--jobs``), a count."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int | None) -> None:
         self.total = total
         self.done = 0
         self.start = time.perf_counter()
@@ -154,10 +155,13 @@ class Progress:
         """Advance by one case."""
         self.done += 1
         width = 30
-        filled = width * self.done // max(self.total, 1)
         rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"{rate:.2f} cases/s  {label}")
+        if self.total is None:  # a job of --jobs: how many it ran, of a set the jobs share
+            line = f"{self.done} cases {rate:.2f} cases/s  {label}"
+        else:
+            filled = width * self.done // max(self.total, 1)
+            line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                    f"{rate:.2f} cases/s  {label}")
         if self.tty:
             sys.stderr.write("\r" + line[:150].ljust(150))
             if self.done == self.total:
@@ -188,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.generate import generated_cases
-    from difftest.jobs import runs_of_job
+    from difftest.jobs import claimed
     from difftest.replay import report_previous_crashes
     from difftest.report import build_report, summary, write_report
     from difftest.session import Session
@@ -215,14 +219,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         generated_cases(args.examples, args.seed, capabilities.strategy()))]
     if shard is not None:
         runs = [(case, names) for case, names in runs if shard.contains(case)]
-    if job is not None:
-        runs = runs_of_job(runs, job)
-    progress = Progress(len(runs))
+    # a job of --jobs runs the cases it claims first (the others take the rest)
+    mine = runs if job is None else claimed(runs, Path(args.claims))
+    progress = Progress(len(runs) if job is None else None)
     # On a GPU a worker process prepares the next cases' host-side inputs (Session.run_all);
     # on the CPU it would compete with the interpreted kernels for the cores.
-    results = (session.run_all(runs) if session.device.type == "cuda"
-               else (session.run(case, names) for case, names in runs))
-    for (case, _), result in zip(runs, results, strict=True):
+    results = (zip(runs, session.run_all(runs), strict=True) if session.device.type == "cuda"
+               else ((run, session.run(*run)) for run in mine))
+    for (case, _), result in results:
         statuses = [r.status.value for r in result.results]
         progress.step(f"{case.case_id} {case.name or ''} {','.join(statuses)}")
         for message in result.failure_messages():
@@ -391,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on the CPU, split the case set across N processes, one core each "
                    "(auto: one per core, at most 8; on a GPU, 1); one report (default 1)")
     p.add_argument("--job", help=argparse.SUPPRESS)  # K/N: one process of --jobs N
+    p.add_argument("--claims", help=argparse.SUPPRESS)  # the jobs' claimed cases
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
     p.set_defaults(func=cmd_run)
 

@@ -3,18 +3,22 @@ reports joined into one.
 
 Triton's interpreter and the float64 reference run in one Python thread, so one process
 uses one core. Each job is ``difftest run`` with the same options plus ``--job K/N``: it
-builds the same case set (the corpus, the generated cases, the shard) and runs the cases at
-positions ``K - 1, K - 1 + N, ...`` of it, writing pending files to the shared artifacts
-directory as any run does. This process relays each job's lines prefixed ``[job K/N]``,
-turns the pending case of a job that died into a crash artifact (as the next run would),
-and merges the jobs' reports with :func:`difftest.shard.merge_reports`: the report is the
-one a single process writes, but for timings, ``config.jobs`` and ``merged_from`` (the
-cases each job ran). Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread
-for torch and for numpy's BLAS (whose threads otherwise spin against the other jobs: the
-README's main job took 61.6 s with two jobs at the default threads, 43.6 s with one each).
-The BLAS thread count changes the bits of the interpreter's ``tl.dot`` (vllm-triton-sparse's
-outputs in 2 of 22 cases), so a job's results equal those of one process run with the same
-``OMP_NUM_THREADS``; the fingerprint records it and a replay shows it.
+builds the same case set (the corpus, the generated cases, the shard) and walks it in order,
+running each case it claims first (:func:`claimed`), so the jobs share the cases as they
+free up (a static split left one job 8 s behind the other on the main job); it writes
+pending files to the shared artifacts directory as any run does.
+
+This process relays each job's lines prefixed ``[job K/N]``, turns the pending case of a job
+that died into a crash artifact (as the next run would), and merges the jobs' reports with
+:func:`difftest.shard.merge_reports`: the report is the one a single process writes, but for
+timings, ``config.jobs`` and ``merged_from`` (the cases each job ran).
+
+Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread for torch and for
+numpy's BLAS (whose threads otherwise spin against the other jobs: the README's main job
+took 61.6 s with two jobs at the default threads, 43.6 s with one each). The BLAS thread
+count changes the bits of the interpreter's ``tl.dot`` (vllm-triton-sparse's outputs in 2 of
+22 cases; docs/findings.md F19), so a job's results equal those of one process run with the
+same ``OMP_NUM_THREADS``; the fingerprint records it and a replay shows it.
 """
 
 from __future__ import annotations
@@ -24,14 +28,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from difftest.artifacts import ArtifactStore
 from difftest.records import CaseRecord
-from difftest.shard import Shard, merge_reports
+from difftest.shard import merge_reports
 
+Run = TypeVar("Run")
 MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many (each job holds torch and vLLM)
 
 
@@ -40,10 +45,15 @@ def auto_jobs() -> int:
     return max(1, min(os.cpu_count() or 1, MAX_AUTO_JOBS))
 
 
-def runs_of_job(runs: Sequence[Any], job: Shard) -> list[Any]:
-    """The runs job ``K/N`` takes: every N-th from position ``K - 1`` (interleaved, so that
-    expensive neighbours spread over the jobs)."""
-    return list(runs[job.index - 1::job.count])
+def claimed(runs: Iterable[Run], claims: Path) -> Iterator[Run]:
+    """The runs this job claims, lazily, each just before it runs: the first job to create
+    ``claims/<position>`` (exclusively) runs it, so the jobs share the cases as they free up."""
+    for position, run in enumerate(runs):
+        try:
+            os.close(os.open(claims / str(position), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        yield run
 
 
 def run_jobs(options: Sequence[str], jobs: int, artifacts: str
@@ -55,10 +65,12 @@ def run_jobs(options: Sequence[str], jobs: int, artifacts: str
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="difftest-jobs-") as tmp:
         paths = [Path(tmp) / f"job-{k}.json" for k in range(1, jobs + 1)]
+        claims = Path(tmp) / "claims"
+        claims.mkdir()
         procs = [subprocess.Popen(
             [sys.executable, "-m", "difftest.cli", "run", *options, "--job", f"{k}/{jobs}",
-             "--report", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env) for k, path in enumerate(paths, 1)]
+             "--claims", str(claims), "--report", str(path)], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env) for k, path in enumerate(paths, 1)]
         relays = [threading.Thread(target=_relay, args=(stream, out, f"[job {k}/{jobs}] "))
                   for k, proc in enumerate(procs, 1)
                   for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
-from difftest.jobs import auto_jobs, runs_of_job
+from difftest.jobs import auto_jobs, claimed
 from difftest.report import case_records
-from difftest.shard import Shard, comparable_case
+from difftest.shard import comparable_case
 
 PLUGIN = Path(__file__).parent / "fake_backends.py"
 
@@ -30,10 +30,11 @@ def _run(tmp: Path, name: str, *options: str) -> tuple[int, dict, str]:
     return done.returncode, written, done.stdout + done.stderr
 
 
-def test_the_jobs_split_the_runs_without_overlap() -> None:
-    runs = list(range(11))
-    parts = [runs_of_job(runs, Shard(k, 3)) for k in (1, 2, 3)]
-    assert parts == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+def test_each_run_is_claimed_by_one_job(tmp_path: Path) -> None:
+    """Two jobs walking the same runs, alternately: each run goes to the first that asks."""
+    first, second = claimed(range(5), tmp_path), claimed(range(5), tmp_path)
+    assert [next(first), next(second), next(second), next(first)] == [0, 1, 2, 3]
+    assert list(second) == [4] and list(first) == []
 
 
 def test_two_jobs_write_the_report_one_process_writes(tmp_path: Path) -> None:
