@@ -78,14 +78,15 @@ def run_jobs(options: Sequence[str], jobs: int, artifacts: str
             relay.start()
         for relay in relays:
             relay.join()
-        dead = {}
+        dead = set()
         for k, proc in enumerate(procs, 1):
             if proc.wait() not in (0, 1):
-                dead[proc.pid] = k
-                problems.append(f"job {k}/{jobs} died (exit status {proc.returncode}); the "
-                                "cases after the one it died in did not run")
+                dead.add(proc.pid)
+                problems.append(f"job {k}/{jobs} died (exit status {proc.returncode}) in the "
+                                "case it left pending; the cases it had not claimed went to "
+                                "the other jobs, while any lived")
         crashes = ArtifactStore(artifacts).recover_crashes(
-            "found by difftest run --jobs when its job died", set(dead)) if dead else []
+            "found by difftest run --jobs when its job died", dead) if dead else []
         reports = [(f"job {k}/{jobs}", _read(path)) for k, path in enumerate(paths, 1)
                    if path.is_file()]
     if not reports:
