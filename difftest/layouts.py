@@ -122,11 +122,10 @@ def build_cache(
     device = data.k_stored.device
     # The buffer is allocated in its layout's order and written through a [n, 2, ...] view
     # (LHBNC's a transposed one), not built block-major and copied (540 MB, 1.5 s on a CPU).
-    raw = torch.full(_raw_shape(case), float("nan"), dtype=data.k_stored.dtype, device=device)
+    raw = _base_buffer(case, data.k_stored.dtype, device)
     sides = raw.unflatten(-1, (nkv, d))
     if case.kv_layout != "LBHNC":
         sides = sides.transpose(0, 1)  # [n, 2, 128, nkv, D], writing into raw
-    sides[0, :, : case.page_size] = POISON
     # Page order does not matter for uniform pages, so only attended blocks are shuffled.
     attended = _attended_sides(case, data)
     if attended.shape[0]:
@@ -237,10 +236,32 @@ def _raw_shape(case: Case) -> tuple[int, int, int, int]:
     return (n, 2, case.block_size, c) if case.kv_layout == "LBHNC" else (2, n, case.block_size, c)
 
 
+def _raw_bytes(case: Case, dtype: torch.dtype) -> int:
+    return math.prod(_raw_shape(case)) * torch.empty(0, dtype=dtype).element_size()
+
+
 def _holds(spare: torch.Tensor, case: Case, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether ``spare``'s memory can hold ``case``'s buffer in ``dtype`` on ``device``."""
-    needed = math.prod(_raw_shape(case)) * torch.empty(0, dtype=dtype).element_size()
-    return spare.device == device and spare.numel() * spare.element_size() >= needed
+    return (spare.device == device
+            and spare.numel() * spare.element_size() >= _raw_bytes(case, dtype))
+
+
+def _base_buffer(case: Case, dtype: torch.dtype, device: torch.device,
+                spare: torch.Tensor | None = None) -> torch.Tensor:
+    """A physical buffer in its base state: NaN, with poison on page 0 of block 0's sides.
+    In the memory of ``spare`` (which the caller found large enough, :func:`_holds`) when
+    given: that spares the CPU faulting in fresh pages (0.1-0.75 s at 8235 blocks)."""
+    shape = _raw_shape(case)
+    if spare is not None:
+        raw = spare.view(-1).view(torch.uint8)[:_raw_bytes(case, dtype)].view(dtype).view(shape)
+        raw.fill_(float("nan"))
+    else:
+        raw = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if case.kv_layout == "LBHNC":
+        raw[0, :, : case.page_size] = POISON
+    else:
+        raw[:, 0, : case.page_size] = POISON
+    return raw
 
 
 class PooledCacheModified(RuntimeError):
@@ -306,7 +327,7 @@ class CachePool:
             if slot is None:
                 if spare is not None and not _holds(spare, case, dtype, device):
                     spare = None  # freed before the new buffer is allocated
-                slot = _Slot(key, self._fresh(case, dtype, device, spare),
+                slot = _Slot(key, _base_buffer(case, dtype, device, spare),
                              torch.empty(0, dtype=torch.int64, device=device))
                 spare = None
             else:
@@ -319,26 +340,6 @@ class CachePool:
             self._slots.pop(slot_id, None)  # a half-written buffer is never reused
             raise
         return _views(case, slot.raw, in_page_order)
-
-    @staticmethod
-    def _fresh(case: Case, dtype: torch.dtype, device: torch.device,
-               spare: torch.Tensor | None = None) -> torch.Tensor:
-        """A buffer in its base state, the bytes of :func:`build_cache`'s fill: in the memory
-        of ``spare`` (the slot's last buffer, which the caller found large enough), which
-        spares the CPU faulting in fresh pages (0.1-0.75 s at 8235 blocks), else new."""
-        lbhnc = case.kv_layout == "LBHNC"
-        shape = _raw_shape(case)
-        if spare is not None:
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            raw = spare.view(-1).view(torch.uint8)[:nbytes].view(dtype).view(shape)
-            raw.fill_(float("nan"))
-        else:
-            raw = torch.full(shape, float("nan"), dtype=dtype, device=device)
-        if lbhnc:
-            raw[0, :, : case.page_size] = POISON
-        else:
-            raw[:, 0, : case.page_size] = POISON
-        return raw
 
     def _restore(self, case: Case, slot: _Slot) -> None:
         """Put back the base state where the last build wrote, and verify one chunk."""
