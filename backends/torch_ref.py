@@ -123,7 +123,9 @@ class TorchReference:
         query = data.query.to(f64)
         query_sq = data.query.to(f32).square()  # exact but for float32 and fp8 (float64) q
         logit_scale = case.softmax_scale * case.k_scale
-        chunk = _chunk_triton if _triton_reads(k_stored) else _chunk_torch
+        chunk = _chunk_torch
+        if _triton_reads(k_stored):  # the kernels' operands, once for every chunk (exact)
+            chunk, k_stored, v_stored = _chunk_triton, k_stored.to(f32), v_stored.to(f32)
         rows_per_chunk = max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim))
         for start in range(0, case.total_q, rows_per_chunk):
             rows = slice(start, min(start + rows_per_chunk, case.total_q))
@@ -188,20 +190,20 @@ def _triton_reads(k_stored: torch.Tensor) -> bool:
 def _chunk_triton(case: Case, seg: Segments, rows: slice, q: torch.Tensor,
                   q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
                   logit_scale: float) -> Chunk:
-    """:func:`_chunk_torch`'s three results from two fused kernels that read the stored
-    blocks themselves (the same sums in other orders; the same softmax)."""
+    """:func:`_chunk_torch`'s three results from two fused kernels that read the blocks
+    themselves (``k_stored``/``v_stored`` as float32; the same sums in other orders; the
+    same softmax)."""
     from difftest.backends import _reference_triton as kernels
 
     slots = seg.slots[rows]
-    k32, v32 = k_stored.to(torch.float32), v_stored.to(torch.float32)  # exact
     scores, sums = kernels.scores_and_largest(
-        q.contiguous(), q_sq.contiguous(), k32, slots, seg.tokens[rows], seg.starts[rows],
+        q.contiguous(), q_sq.contiguous(), k_stored, slots, seg.tokens[rows], seg.starts[rows],
         seg.context_lens[rows], case.sliding_window or 0)
     scores.mul_(logit_scale)  # masked logits stay -inf
     if case.softcap:
         scores = torch.where(scores == float("-inf"), scores, _softcapped(case, scores))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
-    out, abs_sum = kernels.weighted_values(probs, v32, slots)
+    out, abs_sum = kernels.weighted_values(probs, v_stored, slots)
     return out.sum(dim=2) * case.v_scale, abs_sum.to(torch.float64).sum(dim=2), sums
 
 
