@@ -211,4 +211,3 @@ class RunInputs:
         scales = to_device(torch.tensor((self.case.k_scale, self.case.v_scale),
                                         dtype=torch.float32), self.device)
         return scales[0], scales[1]
-

@@ -30,7 +30,7 @@ from difftest.layouts import (
 from difftest.records import Status
 from difftest.runner import run_case
 from difftest.sparse_table import build_rows
-from tests.fake_backends import Rounded
+from tests.fake_backends import Perturbed, Rounded
 
 CPU = torch.device("cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -199,13 +199,10 @@ class Agrees(Rounded):
         return super().run(inputs)
 
 
-class Disagrees(Agrees):
-    name = "disagrees"
+class Disagrees(Agrees, Perturbed):
+    """Reads the plain cache, then returns fake_backends.Perturbed's wrong output."""
 
-    def run(self, inputs: RunInputs) -> torch.Tensor:
-        out = super().run(inputs)
-        out[0, 0, 0] += 1.0
-        return out
+    name = "disagrees"
 
 
 def test_run_case_with_a_pool_gives_the_same_verdicts_and_clears_it_after_a_failure() -> None:
