@@ -1,8 +1,9 @@
 """The GPU kernels behind :func:`difftest.counter_rng.normal_rows` and
 :func:`difftest.counter_rng.stored_normal_rows`.
 
-The arithmetic is the torch version's, op for op: int64 lanes holding 32-bit values, each
-product masked to its low 32 bits (they are right even if the 64-bit product wraps). The
+The arithmetic is the torch version's, op for op, in uint32 lanes: the torch version holds
+32-bit values in int64 and masks each product to its low 32 bits, which a uint32 product
+is (the 64-bit multiplies it spares are most of the kernel's time on a GPU). The
 stored variant quantises in the same kernel as :func:`difftest.inputs.quantize` does on the
 CPU: a correctly rounded float32 division by the scale (``div_rn``; CUDA's ``/`` and a
 division by a scalar are not, F18), saturation at the format's maximum, and a
@@ -24,10 +25,11 @@ _CAST = {torch.float8_e4m3fn: tl.float8e4nv, torch.bfloat16: tl.bfloat16,
 
 @triton.jit
 def _mix32(h):
+    """The murmur3 finaliser on uint32 lanes (products wrap mod 2**32; shifts are logical)."""
     h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h * tl.full(h.shape, 0x85EBCA6B, tl.uint32)
     h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h = h * tl.full(h.shape, 0xC2B2AE35, tl.uint32)
     return h ^ (h >> 16)
 
 
@@ -38,10 +40,12 @@ def _normal_rows_kernel(out_ptr, rows_ptr, key, divisor, limit, row_length,
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_length
     index = tl.load(rows_ptr + r).to(tl.int64) * row_length + offs
-    k = key.to(tl.int64)  # typed int32 or (from 2**31) uint32: zero-extended either way
-    first = _mix32((index & 0xFFFFFFFF) ^ k ^ (((index >> 32) * 0x27D4EB2F) & 0xFFFFFFFF))
-    second = _mix32(first ^ (k >> 1) ^ 0x165667B1)
-    total = (first & 0xFFFF) + (first >> 16) + (second & 0xFFFF) + (second >> 16)
+    low = (index & 0xFFFFFFFF).to(tl.uint32)
+    high = (index >> 32).to(tl.uint32)  # index < 2**48
+    k = key.to(tl.uint32, bitcast=True)  # the 32-bit key, passed as a signed int32
+    first = _mix32(low ^ k ^ (high * tl.full(high.shape, 0x27D4EB2F, tl.uint32)))
+    second = _mix32(first ^ (k >> 1) ^ tl.full(first.shape, 0x165667B1, tl.uint32))
+    total = ((first & 0xFFFF) + (first >> 16) + (second & 0xFFFF) + (second >> 16)).to(tl.int32)
     value = ((total.to(tl.float32) + 2.0) * (1.0 / 65536.0) - 2.0) * 1.7320508075688772
     if QUANTIZE:
         value = tl.math.div_rn(value, divisor)
@@ -56,8 +60,10 @@ def _launch(key: int, rows: torch.Tensor, row_length: int, dtype: torch.dtype,
     if rows.numel():
         grid = (rows.numel(), triton.cdiv(row_length, _BLOCK))
         # scalars, no host-to-device copy (which would wait for the device): the divisor is
-        # typed float32, the scale rounded to it as the CPU's division rounds it
-        _normal_rows_kernel[grid](out, rows, key, scale or 1.0, limit, row_length,
+        # typed float32, the scale rounded to it as the CPU's division rounds it; the key
+        # always as int32 (a key from 2**31 would be typed uint32, another compilation)
+        signed = key - (1 << 32) if key >= 1 << 31 else key
+        _normal_rows_kernel[grid](out, rows, signed, scale or 1.0, limit, row_length,
                                   QUANTIZE=scale is not None, OUT=_CAST[dtype], BLOCK=_BLOCK)
     return out
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 
-from difftest import counter_rng
+from difftest import counter_rng, devices
 from difftest.case import Case
-from difftest.inputs import generate
+from difftest.inputs import generate, quantize
 from difftest.sparse_table import build_rows
 
 
@@ -53,6 +54,29 @@ def test_cpu_hashing_equals_the_int64_formulation() -> None:
     assert torch.equal(counter_rng.normal_rows(9, 2, rows, length), counter_rng.normal(9, 2, index))
     assert torch.equal(counter_rng.uniform_rows(9, 2, rows, length),
                        counter_rng.uniform(9, 2, index))
+
+
+def test_the_gpu_kernel_gives_the_cpu_bits_in_the_interpreter() -> None:
+    """The fused GPU draw (difftest/_counter_rng_triton.py, uint32 lanes), run by Triton's
+    interpreter: the CPU's bits for keys below and from 2**31 and for flat indices past 2**32
+    (the high word), plain, and divided and saturated as ``quantize`` does before its cast
+    (the fp8 cast itself is the GPU's: tests/test_device_determinism.py)."""
+    if not devices.interpreted():
+        pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+    from difftest import _counter_rng_triton as kernels
+
+    rows = torch.tensor([0, 3, 2**33 // 1500 + 7])  # the last row's indices pass 2**32
+    for seed in (0, 5, 2**40 + 5):
+        key = counter_rng.stream_key(seed, 1)
+        want = counter_rng.normal_rows(seed, 1, rows, 1500)
+        assert torch.equal(kernels.normal_rows_triton(key, rows, 1500), want)
+        stored = kernels.stored_normal_rows_triton(key, rows, 1500, torch.float16, 0.01, 448.0)
+        divided = (want / 0.01).clamp(-448.0, 448.0)  # quantize's float32 steps before its cast
+        assert torch.equal(stored, divided.half())
+        assert torch.equal(divided.to(torch.float8_e4m3fn),
+                           quantize(want, "float8_e4m3fn", 0.01))
+    keys = {counter_rng.stream_key(seed, 1) >= 2**31 for seed in (0, 5, 2**40 + 5)}
+    assert keys == {False, True}  # both signs of the int32 the key is passed as
 
 
 PINNED_NORMAL_DIGEST = "7648d59e3952598e"
