@@ -65,11 +65,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
+from difftest.graphs import GraphCache
 from difftest.inputs import Segments
 from difftest.tolerance import Reference
 
@@ -108,76 +110,104 @@ class TorchReference:
 
     def reference(self, inputs: RunInputs) -> Reference:
         """Output, ``sum p|v|`` and logit magnitudes of every row, float64 (the magnitudes
-        computed in float32, within the module's bound)."""
+        computed in float32, within the module's bound); on a GPU through a CUDA graph once
+        the case's shapes and mode repeat (the same kernels, so the same bits)."""
         case, data, device = inputs.case, inputs.data, inputs.device
         seg = data.segments
-        f64, f32 = torch.float64, torch.float32
-        shape = (case.total_q, case.num_q_heads, case.head_dim)
-        out = torch.zeros(shape, dtype=f64, device=device)
-        abs_out = torch.zeros(shape, dtype=f64, device=device)
-        magnitude = torch.zeros(shape[:2], dtype=f64, device=device)
         length = seg.width * case.block_size
         if length == 0:
-            return Reference(out, abs_out, magnitude, seg.context_lens)
-        k_stored, v_stored = data.k_stored[:, :, 0], data.v_stored[:, :, 0]  # [blocks, 128, D]
-        query = data.query.to(f64)
-        query_sq = data.query.to(f32).square()  # exact but for float32 and fp8 (float64) q
-        logit_scale = case.softmax_scale * case.k_scale
-        chunk = _chunk_torch
-        if _triton_reads(k_stored):  # the kernels' operands, once for every chunk (exact)
-            chunk, k_stored, v_stored = _chunk_triton, k_stored.to(f32), v_stored.to(f32)
-        rows_per_chunk = max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim))
-        for start in range(0, case.total_q, rows_per_chunk):
-            rows = slice(start, min(start + rows_per_chunk, case.total_q))
-            out[rows], abs_sum, sums = chunk(case, seg, rows, query[rows], query_sq[rows],
-                                             k_stored, v_stored, logit_scale)
-            # max of the sums first: sqrt, the positive scale and the softcap are monotone,
-            # so the max commutes with them exactly; -1 marks a row that attends nothing
-            largest = sums.amax(dim=-1).to(f64)
-            row_magnitude = largest.clamp(min=0).sqrt() * logit_scale + case.softcap
-            magnitude[rows] = row_magnitude.masked_fill(largest < 0, 0.0)
-            abs_out[rows] = abs_sum * case.v_scale
+            shape = (case.total_q, case.num_q_heads, case.head_dim)
+            zeros = torch.zeros(shape, dtype=torch.float64, device=device)
+            return Reference(zeros, zeros.clone(), zeros[..., 0].clone(), seg.context_lens)
+        mode = _Mode(case.block_size, case.softmax_scale * case.k_scale, case.v_scale,
+                     case.softcap, case.sliding_window,
+                     max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim)))
+        args = (data.query, data.k_stored[:, :, 0], data.v_stored[:, :, 0],  # [blocks, 128, D]
+                seg.slots, seg.tokens, seg.starts, seg.context_lens)
+        out, abs_out, magnitude = _GRAPHS(_sums, args, mode)
         return Reference(out, abs_out, magnitude, seg.context_lens)
+
+
+class _Mode(NamedTuple):
+    """What :func:`_sums` needs of a case besides its tensors (hashable: a graph's key)."""
+
+    block_size: int
+    logit_scale: float
+    v_scale: float
+    softcap: float
+    sliding_window: int
+    rows_per_chunk: int
+
+
+_GRAPHS = GraphCache(capacity=2, copy_outputs=True)
+
+
+def _sums(query: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
+          slots: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
+          context_lens: torch.Tensor, mode: _Mode) -> tuple[torch.Tensor, ...]:
+    """The reference's output, ``sum p|v| * v_scale`` and logit magnitudes, by chunks of
+    rows; a pure function of its tensors and ``mode``, with no host synchronisation."""
+    f64, f32 = torch.float64, torch.float32
+    seg = Segments(slots, tokens, starts, context_lens)
+    total_q = query.shape[0]
+    out = torch.zeros(query.shape, dtype=f64, device=query.device)
+    abs_out = torch.zeros(query.shape, dtype=f64, device=query.device)
+    magnitude = torch.zeros(query.shape[:2], dtype=f64, device=query.device)
+    query_sq = query.to(f32).square()  # exact but for float32 and fp8 (float64) q
+    query = query.to(f64)
+    chunk = _chunk_torch
+    if _triton_reads(k_stored):  # the kernels' operands, once for every chunk (exact)
+        chunk, k_stored, v_stored = _chunk_triton, k_stored.to(f32), v_stored.to(f32)
+    for start in range(0, total_q, mode.rows_per_chunk):
+        rows = slice(start, min(start + mode.rows_per_chunk, total_q))
+        out[rows], abs_sum, sums = chunk(mode, seg, rows, query[rows], query_sq[rows],
+                                         k_stored, v_stored)
+        # max of the sums first: sqrt, the positive scale and the softcap are monotone,
+        # so the max commutes with them exactly; -1 marks a row that attends nothing
+        largest = sums.amax(dim=-1).to(f64)
+        row_magnitude = largest.clamp(min=0).sqrt() * mode.logit_scale + mode.softcap
+        magnitude[rows] = row_magnitude.masked_fill(largest < 0, 0.0)
+        abs_out[rows] = abs_sum * mode.v_scale
+    return out, abs_out, magnitude
 
 
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _softcapped(case: Case, scores: torch.Tensor) -> torch.Tensor:
+def _softcapped(mode: _Mode, scores: torch.Tensor) -> torch.Tensor:
     """``c * tanh(s / c)`` of the scaled logits (float64), or them if the case has no cap."""
-    return case.softcap * torch.tanh(scores / case.softcap) if case.softcap else scores
+    return mode.softcap * torch.tanh(scores / mode.softcap) if mode.softcap else scores
 
 
-def _chunk_torch(case: Case, seg: Segments, rows: slice, q: torch.Tensor,
-                 q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
-                 logit_scale: float) -> Chunk:
+def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
+                 q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor) -> Chunk:
     """One chunk of rows: ``sum p v * v_scale``, ``sum p |v|`` and the float32 ``q^2 . k^2``
     sums (``-1`` where masked), from gathered blocks and torch GEMMs."""
     f64, f32 = torch.float64, torch.float32
     slots = seg.slots[rows]
-    n, length = slots.shape[0], seg.width * case.block_size
-    token = torch.arange(case.block_size, device=slots.device)
+    n, length = slots.shape[0], seg.width * mode.block_size
+    token = torch.arange(mode.block_size, device=slots.device)
     mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
-    if case.sliding_window:
+    if mode.sliding_window:
         ordinal = seg.starts[rows, :, None] + token
-        mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
+        mask &= ordinal >= seg.context_lens[rows, None, None] - mode.sliding_window
     mask = mask.view(n, 1, length)
     # the scales multiply the sums, not every gathered value (docs/performance.md)
     k_gathered = k_stored[slots].view(n, length, -1)  # [R, L, D] stored values
     k = k_gathered.to(f64)
-    scores = _softcapped(case, torch.einsum("rhd,rld->rhl", q, k) * logit_scale)
+    scores = _softcapped(mode, torch.einsum("rhd,rld->rhl", q, k) * mode.logit_scale)
     del k
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
     v = v_stored[slots].view(n, length, -1)
-    out = torch.einsum("rhl,rld->rhd", probs, v.to(f64)) * case.v_scale
+    out = torch.einsum("rhl,rld->rhd", probs, v.to(f64)) * mode.v_scale
     with _full_float32_matmul():
         # nonnegative sums in float32, within the module docstring's bound
         k_sq = k_gathered.to(f32).square_()
         sums = torch.einsum("rhd,rld->rhl", q_sq, k_sq)
         del k_sq
         # per 128-token block, the blocks' sums added in float64
-        weights = probs.to(f32).view(n, -1, seg.width, case.block_size)
-        sizes = v.to(f32).abs_().view(n, seg.width, case.block_size, -1)
+        weights = probs.to(f32).view(n, -1, seg.width, mode.block_size)
+        sizes = v.to(f32).abs_().view(n, seg.width, mode.block_size, -1)
         abs_sum = torch.einsum("rhwt,rwtd->rhwd", weights, sizes).to(f64).sum(dim=2)
     return out, abs_sum, sums.masked_fill(~mask, -1.0)
 
@@ -187,9 +217,8 @@ def _triton_reads(k_stored: torch.Tensor) -> bool:
     return k_stored.device.type == "cuda"
 
 
-def _chunk_triton(case: Case, seg: Segments, rows: slice, q: torch.Tensor,
-                  q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
-                  logit_scale: float) -> Chunk:
+def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
+                  q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor) -> Chunk:
     """:func:`_chunk_torch`'s three results from two fused kernels that read the blocks
     themselves (``k_stored``/``v_stored`` as float32; the same sums in other orders; the
     same softmax)."""
@@ -198,13 +227,13 @@ def _chunk_triton(case: Case, seg: Segments, rows: slice, q: torch.Tensor,
     slots = seg.slots[rows]
     scores, sums = kernels.scores_and_largest(
         q.contiguous(), q_sq.contiguous(), k_stored, slots, seg.tokens[rows], seg.starts[rows],
-        seg.context_lens[rows], case.sliding_window or 0)
-    scores.mul_(logit_scale)  # masked logits stay -inf
-    if case.softcap:
-        scores = torch.where(scores == float("-inf"), scores, _softcapped(case, scores))
+        seg.context_lens[rows], mode.sliding_window or 0)
+    scores.mul_(mode.logit_scale)  # masked logits stay -inf
+    if mode.softcap:
+        scores = torch.where(scores == float("-inf"), scores, _softcapped(mode, scores))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
     out, abs_sum = kernels.weighted_values(probs, v_stored, slots)
-    return out.sum(dim=2) * case.v_scale, abs_sum.to(torch.float64).sum(dim=2), sums
+    return out.sum(dim=2) * mode.v_scale, abs_sum.to(torch.float64).sum(dim=2), sums
 
 
 @contextmanager

@@ -9,7 +9,8 @@ parameters, so the same bits, for one launch and a few copies. Elsewhere (the CP
 signature seen once, a function that cannot be captured) the function runs as it is.
 
 A replay's outputs live in the graph's own memory and are overwritten by its next replay:
-callers read them (to the host, or into tensors of their own) before calling again.
+callers read them (to the host, or into tensors of their own) before calling again, or ask
+for copies (``copy_outputs``) when the results outlive the call.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ class GraphCache:
     ``fn`` must be a pure function of its tensor arguments and the hashable ``params``,
     return a tuple of tensors, and never synchronise with the host. At most ``capacity``
     graphs are kept (least recently used first out), and as many signatures remembered.
+    ``copy_outputs``: a replay returns copies of the graph's outputs, which the next replay
+    leaves alone.
     """
 
-    def __init__(self, capacity: int = 8) -> None:
+    def __init__(self, capacity: int = 8, copy_outputs: bool = False) -> None:
         self.capacity = capacity
+        self.copy_outputs = copy_outputs
         self._seen: OrderedDict[Hashable, bool] = OrderedDict()  # signature -> capturable
         self._graphs: OrderedDict[Hashable, _Graph] = OrderedDict()
 
@@ -66,7 +70,7 @@ class GraphCache:
         graph = self._graphs.get(key)
         if graph is not None:
             self._graphs.move_to_end(key)
-            return graph.replay(args)
+            return self._outputs(graph.replay(args))
         capturable = self._seen.get(key)
         if not capturable:  # first sight, or a capture that failed: run it as it is
             self._remember(key, capturable is None)
@@ -79,7 +83,10 @@ class GraphCache:
         self._graphs[key] = graph
         if len(self._graphs) > self.capacity:
             self._graphs.popitem(last=False)
-        return graph.replay(args)
+        return self._outputs(graph.replay(args))
+
+    def _outputs(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(o.clone() for o in outputs) if self.copy_outputs else outputs
 
     def _remember(self, key: Hashable, capturable: bool) -> None:
         self._seen[key] = capturable

@@ -91,3 +91,35 @@ def test_graphed_comparison_equals_the_eager_one(case: Case) -> None:
             assert dataclasses.asdict(got) == want
     assert len(compare_module._GRAPHS) == 1  # both outputs share one signature
     assert not expected[1]["agrees"] and expected[1]["worst"]
+
+
+@CUDA
+def test_copied_outputs_outlive_the_next_replay() -> None:
+    cache = GraphCache(copy_outputs=True)
+    kept = []
+    for step in range(4):
+        x = torch.full((5,), float(step), device="cuda")
+        kept.append(cache(_doubled, (x,), 3.0)[0])
+    assert len(cache) == 1  # replayed from the second call on
+    for step, out in enumerate(kept):
+        assert torch.equal(out, torch.full((5,), step * 3.0 + 1, device="cuda"))
+
+
+@CUDA
+@pytest.mark.parametrize("case", load_corpus()[:4], ids=lambda c: c.name or c.case_id)
+def test_graphed_reference_equals_the_eager_one(case: Case) -> None:
+    from difftest.backends import torch_ref
+
+    def reference(seed: int) -> tuple[torch.Tensor, ...]:
+        inputs = RunInputs(dataclasses.replace(case, seed=seed), torch.device("cuda"))
+        truth = TorchReference().reference(inputs)
+        return truth.output, truth.abs_output, truth.logit_magnitude
+
+    torch_ref._GRAPHS.clear()
+    eager = [reference(seed) for seed in (1, 2)]  # the first is a first sight, the second
+    torch_ref._GRAPHS.clear()                     # (after the clear) too
+    graphed = [reference(seed) for seed in (3, 1, 2)]  # seen, then captured and replayed
+    assert len(torch_ref._GRAPHS) == 1
+    for want, got in zip(eager, graphed[1:], strict=True):
+        for a, b in zip(want, got, strict=True):
+            assert torch.equal(a, b)
