@@ -348,15 +348,21 @@ class CachePool:
         poison = _bits(torch.full((1,), POISON, dtype=raw.dtype))
         lhbnc = case.kv_layout == "LHBNC"
         blocks = ints.transpose(0, 1) if lhbnc else ints  # [n, 2, 128, c] either way
+        # the same bytes as 8-byte words ([n, 2, words]): an eighth of the elements to fill
+        # and compare (a block's side is 128 * c elements, a multiple of 8 bytes)
+        n = case.num_blocks
+        words = (ints.view(2, n, -1).view(torch.int64).transpose(0, 1) if lhbnc
+                 else ints.view(n, 2, -1).view(torch.int64))
+        fill_word = int(torch.full((8 // raw.element_size(),), fill, dtype=ints.dtype)
+                        .view(torch.int64)[0])
         if slot.wrote.numel():
-            ints.index_fill_(1 if lhbnc else 0, slot.wrote, fill)
+            words.index_fill_(0, slot.wrote, fill_word)
         blocks[0] = fill
         blocks[0, :, : case.page_size] = poison
-        n = case.num_blocks
         per = -(-(n - 1) // self.check_chunks)
         lo = 1 + slot.check * per
         slot.check = (slot.check + 1) % self.check_chunks
-        if lo < n and bool((blocks[lo: lo + per] != fill).any()):
+        if lo < n and bool((words[lo: lo + per] != fill_word).any()):
             raise PooledCacheModified(
                 f"the pooled {case.kv_layout} cache has non-NaN bytes in blocks "
                 f"{lo}..{min(n, lo + per) - 1}, outside every block its builds wrote: a backend "
