@@ -25,6 +25,9 @@ build + comparison. Inside the reference and each backend the benchmark separate
   launch's wall time on the CPU. ``adapter`` is ``call - kernel``: views, tables, casts,
   output buffers, the kernel lookup. A backend that launches no Triton kernel (``torch-ref``)
   shows its ``call`` only, and on a GPU its device span (CUDA events around the call).
+  Launches inside a CUDA graph's capture are not timed, and a replayed graph's kernels are
+  not Triton launches: on a GPU the reference (replayed from its graph from the second
+  case of a shape on) shows its call and device span only.
 
 After the table, the same cases run again without the timers (no synchronisation or events
 around each call), alternately one by one (``Session.run``, serial) and pipelined
@@ -112,7 +115,8 @@ class LaunchTimer:
 
     def _timed_launch(self, run: Callable[..., Any]) -> Callable[..., Any]:
         def timed(fn: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-            if warmup or not self.active:
+            if warmup or not self.active or (self.cuda and
+                                             torch.cuda.is_current_stream_capturing()):
                 return run(fn, *args, grid=grid, warmup=warmup, **kwargs)
             with self._measure(self.kernel[self.stage]):
                 return run(fn, *args, grid=grid, warmup=warmup, **kwargs)

@@ -26,6 +26,7 @@ GPU its attended blocks are written by one fused Triton kernel per side,
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -163,9 +164,19 @@ def _ints(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
-def _bits(make: torch.Tensor) -> int:
-    """The bit pattern of a one-element tensor, as its integer view's value."""
-    return int(_ints(make.reshape(1))[0])
+@functools.cache
+def _bits(value: float, dtype: torch.dtype) -> int:
+    """The bit pattern of ``value`` in ``dtype``, as its integer view's value (once per pair:
+    four small CPU tensors a case cost more host time than the restore's fill)."""
+    return int(_ints(torch.full((1,), value, dtype=dtype))[0])
+
+
+@functools.cache
+def _word(value: float, dtype: torch.dtype) -> int:
+    """``value``'s bit pattern in ``dtype`` repeated over 8 bytes, as an int64."""
+    bits = _bits(value, dtype)
+    element = _INT_OF_SIZE[torch.empty(0, dtype=dtype).element_size()]
+    return int(torch.full((8 // element.itemsize,), bits, dtype=element).view(torch.int64)[0])
 
 
 def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order: str,
@@ -180,8 +191,7 @@ def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order:
         return
     dtype, lhbnc = data.k_stored.dtype, case.kv_layout == "LHBNC"
     # the constants _attended_sides makes, so the same bits
-    poison = _bits(torch.tensor(POISON, dtype=dtype))
-    nan = _bits(torch.tensor(float("nan"), dtype=dtype))
+    poison, nan = _bits(POISON, dtype), _bits(float("nan"), dtype)
     ints, canary = _ints(raw), case.canary
     if triton:
         from difftest._cache_triton import write_attended_triton
@@ -344,8 +354,7 @@ class CachePool:
     def _restore(self, case: Case, slot: _Slot) -> None:
         """Put back the base state where the last build wrote, and verify one chunk."""
         raw, ints = slot.raw, _ints(slot.raw)
-        fill = _bits(torch.full((1,), float("nan"), dtype=raw.dtype))
-        poison = _bits(torch.full((1,), POISON, dtype=raw.dtype))
+        fill, poison = _bits(float("nan"), raw.dtype), _bits(POISON, raw.dtype)
         lhbnc = case.kv_layout == "LHBNC"
         blocks = ints.transpose(0, 1) if lhbnc else ints  # [n, 2, 128, c] either way
         # the same bytes as 8-byte words ([n, 2, words]): an eighth of the elements to fill
@@ -353,8 +362,7 @@ class CachePool:
         n = case.num_blocks
         words = (ints.view(2, n, -1).view(torch.int64).transpose(0, 1) if lhbnc
                  else ints.view(n, 2, -1).view(torch.int64))
-        fill_word = int(torch.full((8 // raw.element_size(),), fill, dtype=ints.dtype)
-                        .view(torch.int64)[0])
+        fill_word = _word(float("nan"), raw.dtype)
         if slot.wrote.numel():
             words.index_fill_(0, slot.wrote, fill_word)
         blocks[0] = fill

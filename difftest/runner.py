@@ -30,6 +30,7 @@ from difftest.backend import Backend, ReferenceBackend, RunInputs
 from difftest.case import Case
 from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
+from difftest.devices import to_device
 from difftest.diagnosis import diagnosis_lines
 from difftest.inputs import HostTables, generate, host_tables
 from difftest.layouts import CachePool
@@ -189,7 +190,7 @@ def prepared_inputs(case: Case, device: torch.device, host: PreparedHost,
     inputs.data = generate(case, inputs.rows, device, host.tables)  # type: ignore[misc]
     table, ctx = host.page_table
     inputs.sparse_table = (  # type: ignore[misc]
-        torch.from_numpy(table).to(device), torch.from_numpy(ctx).to(device))
+        to_device(torch.from_numpy(table), device), to_device(torch.from_numpy(ctx), device))
     return inputs
 
 
