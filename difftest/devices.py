@@ -39,17 +39,19 @@ def prepare_runtime(device: str) -> None:
 
     On the CPU, Triton kernels run in the interpreter and vLLM must not see a CUDA device
     (else it disables Triton for want of a driver). The interpreter's numpy warnings on masked
-    lanes and empty rows (which the kernels discard) are silenced, and its re-patching of
-    ``triton.language`` on nested calls is skipped (:mod:`difftest.interpreter`).
+    lanes and empty rows (which the kernels discard) are silenced; its re-patching of
+    ``triton.language`` on nested calls and its overflow conditions that nothing checks are
+    skipped (:mod:`difftest.interpreter`).
     """
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         warnings.filterwarnings("ignore", category=RuntimeWarning,
                                 module="triton.runtime.interpreter")
-        from difftest.interpreter import skip_nested_patching
+        from difftest.interpreter import skip_dropped_overflow_checks, skip_nested_patching
 
         skip_nested_patching()
+        skip_dropped_overflow_checks()
 
 
 def interpreted() -> bool:

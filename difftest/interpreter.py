@@ -11,10 +11,18 @@ undone with the launch's own patches, so skipping them runs the same functions o
 values: :func:`skip_nested_patching` skips a nested call's patching when the callee sees no
 ``triton.language`` module that the running launch has not patched. Other calls (a launch,
 a nested callee that sees another module, a call outside any launch) patch as before.
+
+:func:`skip_dropped_overflow_checks`: the interpreter's options keep ``sanitize_overflow`` on,
+so every int32 add, sub and mul is evaluated a second time in int64 and turned into an
+overflow condition, which ``device_assert`` then drops because ``debug`` is off (it asserts
+only under ``debug``, on a GPU as in the interpreter): 40% of the interpreted time of a
+generated case (docs/performance.md), for no check. Off, the same values are computed and
+nothing that could raise is removed; with ``debug`` on the checks stay.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from functools import wraps
@@ -89,3 +97,19 @@ def _tracked(call: Callable[..., Any]) -> Callable[..., Any]:
             _launches.pop()
 
     return launch
+
+
+def skip_dropped_overflow_checks() -> bool:
+    """Turn the interpreter's ``sanitize_overflow`` off while its ``debug`` is off (its
+    conditions are then built and dropped unchecked); True if the options now skip them."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or not hasattr(options, "sanitize_overflow") or options.debug:
+        return False
+    if options.sanitize_overflow:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True

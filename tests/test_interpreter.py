@@ -1,7 +1,8 @@
-"""Skipping the interpreter's nested re-patching (difftest/interpreter.py) changes no result."""
+"""The interpreter skips (difftest/interpreter.py): nested re-patching, dropped overflow checks."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -68,3 +69,60 @@ def test_the_skip_runs_the_same_kernels_with_fewer_patches(tmp_path) -> None:
     assert skipped == 2 * 2
     a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "skip.pt")
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+OVERFLOW_SCRIPT = textwrap.dedent('''
+    import dataclasses, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, triton, triton.language as tl
+    from triton.runtime import interpreter
+    from difftest.interpreter import skip_dropped_overflow_checks
+
+    @triton.jit
+    def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        tl.store(out_ptr + offs, x * 3 + offs - 7, mask=mask)  # int32: wraps past 2**31
+
+    x = torch.tensor([2**31 - 1, -2**31, 5, 2**30, -(2**30) - 3], dtype=torch.int32)
+    builder = interpreter.interpreter_builder
+    default = builder.options
+
+    def launch():
+        out = torch.empty_like(x)
+        try:
+            kernel[(1,)](x, out, x.numel(), BLOCK=8)
+        except Exception as error:
+            return "raised" if "overflow detected" in str(error) else repr(error)
+        return out.tolist()
+
+    results = {"default": launch()}
+    builder.options = dataclasses.replace(default, debug=True)
+    results["debug"] = launch()
+    results["skip under debug"] = [skip_dropped_overflow_checks(), launch()]
+    builder.options = default
+    results["skip"] = [skip_dropped_overflow_checks(), builder.options.sanitize_overflow,
+                       launch()]
+    print(results)
+''')
+
+
+def test_the_dropped_overflow_checks_are_skipped_and_debug_keeps_them() -> None:
+    """An int32 kernel that overflows: with the interpreter's default options (``debug``
+    off) nothing raises and the values wrap, as on a GPU; under ``debug`` the sanitizer
+    raises. :func:`skip_dropped_overflow_checks` changes neither: it refuses under
+    ``debug`` (the check still raises) and, off, gives the same wrapped values."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", OVERFLOW_SCRIPT], env=env,
+                          capture_output=True, text=True, check=True)
+    results = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    mask = 2**32
+    wrapped = [((v * 3 + i - 7 + 2**31) % mask) - 2**31
+               for i, v in enumerate([2**31 - 1, -2**31, 5, 2**30, -(2**30) - 3])]
+    assert results["default"] == wrapped
+    assert results["debug"] == "raised"
+    assert results["skip under debug"] == [False, "raised"]
+    assert results["skip"] == [True, False, wrapped]
