@@ -267,7 +267,8 @@ def main() -> None:
         host.append(time.perf_counter() - start)
     stages["host preparation"] = host
     mean = {stage: statistics.mean(values) for stage, values in stages.items()}
-    print_table(args, session, q_dtype, mean, walls)
+    median = {stage: statistics.median(values) for stage, values in stages.items()}
+    print_table(args, session, q_dtype, mean, median, walls)
     timer.active = False
     session.reference, session.backends = plain
     print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
@@ -309,17 +310,20 @@ def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
 
 
 def print_table(args: argparse.Namespace, session: Session, q_dtype: str,
-                mean: dict[str, float], walls: list[float]) -> None:
-    """Per stage: the runner's wall time, and inside each backend its call and kernel."""
+                mean: dict[str, float], median: dict[str, float], walls: list[float]) -> None:
+    """Per stage: the runner's wall time (mean, and the median beside it, which one slow
+    case such as a compilation does not move), and inside each backend its call and
+    kernel (means)."""
     print(f"\nshape {args.shape}, device {session.device}, {len(walls)} timed cases, "
           f"query {q_dtype}; mean ms per case")
     ms = lambda seconds: f"{1e3 * seconds:>10.2f}"  # noqa: E731
-    print(f"{'stage':<26}{'wall':>10}{'call':>10}{'kernel':>10}{'adapter':>10}{'device':>10}")
+    print(f"{'stage':<26}{'wall':>10}{'median':>10}{'call':>10}{'kernel':>10}{'adapter':>10}"
+          f"{'device':>10}")
     backends = ["reference", *(b.name for b in session.backends)]
     for stage in (*FRAMEWORK_STAGES, *backends, "session"):
         if stage not in mean:
             continue
-        row = f"{stage:<26}{ms(mean[stage])}"
+        row = f"{stage:<26}{ms(mean[stage])}{ms(median[stage])}"
         if stage in backends and f"{stage}:call" in mean:
             call, kernel = mean[f"{stage}:call"], mean.get(f"{stage}:kernel")
             row += ms(call) + (ms(kernel) + ms(call - kernel) if kernel is not None
