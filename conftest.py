@@ -1,5 +1,14 @@
 """Project conftest: the difftest plugin itself is loaded through its pytest11 entry point.
 
+Under ``pytest -n N`` each worker sets ``OMP_NUM_THREADS`` to its share of the cores (unless it
+is set), before torch or numpy is imported: torch and numpy's OpenBLAS in the worker take that
+many threads, and so do the processes its tests start (``difftest`` CLI runs, nested pytest
+runs), which by default took every core while the other workers computed. Their spinning
+threads doubled such a process's CPU time on a 2-core machine (the Hypothesis test of
+tests/test_crash_and_repro.py, its child alone: 9.9 and 14.6 s beside a busy core, 5.5 and
+5.3 s with one thread). The worker's torch threads are unchanged
+(:func:`difftest.devices.share_cpu_threads` gives it the same share).
+
 Every test's setup and call run below one large frame, :func:`below_a_large_frame`.
 CPython 3.11+ keeps frames in data-stack chunks of 16 KiB, maps a new chunk when a call does not
 fit in the current one and unmaps it as soon as that call returns. Where the Triton
@@ -15,12 +24,26 @@ objects): there the frame is one allocation per phase.
 
 from __future__ import annotations
 
+import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
+from typing import TYPE_CHECKING
 
 import pytest
 
-from difftest.session import Session
+if TYPE_CHECKING:
+    from difftest.session import Session
+
+
+def share_cores_in_workers(environ: MutableMapping[str, str] = os.environ) -> None:
+    """In an xdist worker, set ``OMP_NUM_THREADS`` to the cores divided by the workers (at
+    least 1), unless it is set (module docstring)."""
+    workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
+
+
+share_cores_in_workers()  # at import: conftests load before any plugin imports torch
 
 # Slots of the large frame (8 bytes each): past 16384 - 1000, so CPython's chunk for it is
 # 32768 slots (256 KiB) and ~17,000 stay free for the calls below it.
