@@ -338,9 +338,9 @@ def print_table(args: argparse.Namespace, session: Session, q_dtype: str,
               "  (in the worker process, overlapped; not in framework)")
     if f"{FRAMEWORK}:kernel" in mean:
         print(f"{'  of which Triton kernels':<26}{ms(mean[f'{FRAMEWORK}:kernel'])}")
-    print(f"{'framework + reference':<26}{ms(framework + mean.get('reference', 0.0))}")
+    spent = framework + mean.get("reference", 0.0)
+    print(f"{'framework + reference':<26}{ms(spent)}")
     for backend in backends[1:]:
-        spent = framework + mean.get("reference", 0.0)
         print(f"(framework + reference) / {backend} wall: {spent / mean[backend]:.2f}"
               "  (the issue's ratio at filing, 4.5)")
         kernel = mean.get(f"{backend}:kernel")

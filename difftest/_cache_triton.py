@@ -74,9 +74,9 @@ def write_attended_triton(raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not attended:
         return
     side = tokens * nkv * d
-    # the interpreter's cost is per program: there one program writes a whole side
-    block = triton.next_power_of_2(side) if interpreted() else min(4096,
-                                                                   triton.next_power_of_2(side))
+    block = triton.next_power_of_2(side)
+    if not interpreted():  # the interpreter's cost is per program: there one writes a side
+        block = min(4096, block)
     n = raw.shape[1] if lhbnc else raw.shape[0]
     block_stride = side if lhbnc else 2 * side
     x = 16 // raw.element_size()

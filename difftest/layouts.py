@@ -174,9 +174,9 @@ def _bits(value: float, dtype: torch.dtype) -> int:
 @functools.cache
 def _word(value: float, dtype: torch.dtype) -> int:
     """``value``'s bit pattern in ``dtype`` repeated over 8 bytes, as an int64."""
-    bits = _bits(value, dtype)
-    element = _INT_OF_SIZE[torch.empty(0, dtype=dtype).element_size()]
-    return int(torch.full((8 // element.itemsize,), bits, dtype=element).view(torch.int64)[0])
+    repeated = torch.full((8 // dtype.itemsize,), _bits(value, dtype),
+                          dtype=_INT_OF_SIZE[dtype.itemsize])
+    return int(repeated.view(torch.int64)[0])
 
 
 def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order: str,
@@ -247,7 +247,7 @@ def _raw_shape(case: Case) -> tuple[int, int, int, int]:
 
 
 def _raw_bytes(case: Case, dtype: torch.dtype) -> int:
-    return math.prod(_raw_shape(case)) * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(_raw_shape(case)) * dtype.itemsize
 
 
 def _holds(spare: torch.Tensor, case: Case, dtype: torch.dtype, device: torch.device) -> bool:
