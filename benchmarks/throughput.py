@@ -34,6 +34,11 @@ around each call), alternately one by one (``Session.run``, serial) and pipeline
 (``Session.run_all``: a worker process builds the next cases' host-side inputs while the
 current case runs), ``--repeats`` times each on fresh cases; both medians are printed.
 
+``--device-busy N`` (a GPU) runs ``N`` more cases pipelined under torch.profiler and prints each
+stage's device-busy time (:mod:`benchmarks.device_busy`: the GPU's own work, charged to the
+stage whose host call launched it, graph replays included): the floor below each stage's
+wall that no host-side change reaches, and the ratio the issue asks for on device work alone.
+
 ``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
 the N largest entries.
 """
@@ -47,14 +52,17 @@ import io
 import pstats
 import random
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import device_busy
 from difftest.backend import Backend, RunInputs
 from difftest.case import Case
 from difftest.runner import prepare_host
@@ -224,6 +232,8 @@ def main() -> None:
                         help="default: bfloat16 on GPUs, float16 on the CPU (docs/findings.md F1)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="alternating serial and pipelined passes without timers")
+    parser.add_argument("--device-busy", type=int, default=0, metavar="N",
+                        help="on a GPU: N more cases under torch.profiler, device-busy per stage")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more case and print its N largest entries")
     args = parser.parse_args()
@@ -272,6 +282,9 @@ def main() -> None:
     timer.active = False
     session.reference, session.backends = plain
     print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
+    if args.device_busy and session.device.type == "cuda":
+        seeds = range(args.cases + 2, args.cases + 2 + args.device_busy)
+        print_device_busy(session, make, seeds)
     if args.profile:
         profile_case(session, make(args.cases + 1), args.profile)
         session.close()
@@ -307,6 +320,29 @@ def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
         if kernel:
             print(f"pipelined, (a case's wall - the {backend.name} kernel) / that kernel: "
                   f"{(piped - kernel) / kernel:.2f}")
+
+
+def print_device_busy(session: Session, make: Callable[[int], Case], seeds: range) -> None:
+    """Run ``seeds``' cases pipelined under the profiler; print each stage's device-busy ms
+    per case (and its largest GPU activities), and (framework + reference) over each
+    backend's, on device work alone."""
+    cases = [make(seed) for seed in seeds]
+    trace = Path(tempfile.gettempdir()) / "difftest-device-busy.json"
+    busy = device_busy.profiled_busy(lambda: list(session.run_all((c, None) for c in cases)),
+                                     session.reference, session.backends, trace)
+    session.close()
+    per_case = {stage: b.seconds / len(cases) for stage, b in busy.items()}
+    print(f"device-busy ms per case, {len(cases)} cases under torch.profiler (trace {trace}):")
+    for stage, b in sorted(busy.items(), key=lambda item: -item[1].seconds):
+        top = ", ".join(f"{name[:40]} {1e3 * s / len(cases):.3f}" for name, s in b.largest())
+        print(f"  {stage:<24}{1e3 * per_case[stage]:8.3f}  ({b.activities // len(cases)} "
+              f"activities; {top})")
+    spent = sum(per_case.get(s, 0.0) for s in (*FRAMEWORK_STAGES, "reference"))
+    print(f"  {'framework + reference':<24}{1e3 * spent:8.3f}")
+    for backend in session.backends:
+        if per_case.get(backend.name):
+            print(f"device-busy (framework + reference) / {backend.name}: "
+                  f"{spent / per_case[backend.name]:.2f}")
 
 
 def print_table(args: argparse.Namespace, session: Session, q_dtype: str,

@@ -1,0 +1,41 @@
+"""benchmarks.device_busy: GPU work charged to the stage whose host call launched it."""
+
+from __future__ import annotations
+
+from benchmarks.device_busy import UNATTRIBUTED, attribute
+
+
+def _x(cat: str, name: str, ts: float, dur: float, correlation: int | None = None) -> dict:
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+    if correlation is not None:
+        event["args"] = {"correlation": correlation}
+    return event
+
+
+def test_activities_go_to_the_innermost_stage_that_launched_them_whenever_they_ran() -> None:
+    trace = {"traceEvents": [
+        _x("user_annotation", "stage:reference", 0, 100),
+        _x("user_annotation", "stage:generate", 100, 50),
+        _x("user_annotation", "stage:triton-unified", 200, 100),
+        _x("user_annotation", "stage:cache:plain", 210, 5),  # nested in the backend's run
+        _x("user_annotation", "not a stage", 0, 1000),
+        _x("cuda_runtime", "cudaGraphLaunch", 10, 2, correlation=1),
+        _x("cuda_driver", "cuLaunchKernelEx", 120, 3, correlation=2),
+        _x("cuda_runtime", "cudaLaunchKernel", 212, 1, correlation=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 250, 1, correlation=4),
+        _x("cuda_runtime", "cudaMemcpyAsync", 500, 1, correlation=5),
+        # the graph's kernels run long after the reference's host call returned
+        _x("kernel", "_scores_kernel", 160, 30, correlation=1),
+        _x("kernel", "_values_kernel", 190, 20, correlation=1),
+        _x("kernel", "_normal_rows_kernel", 125, 40, correlation=2),
+        _x("gpu_memset", "Memset", 215, 4, correlation=3),
+        _x("kernel", "kernel_unified_attention", 255, 120, correlation=4),
+        _x("gpu_memcpy", "Memcpy DtoH", 501, 6, correlation=5),
+        _x("kernel", "orphan", 600, 7, correlation=99),
+    ]}
+    busy = attribute(trace)
+    seconds = {stage: round(b.seconds * 1e6, 6) for stage, b in busy.items()}
+    assert seconds == {"reference": 50.0, "generate": 40.0, "cache:plain": 4.0,
+                       "triton-unified": 120.0, UNATTRIBUTED: 13.0}
+    assert busy["reference"].activities == 2
+    assert busy["reference"].largest(1) == [("_scores_kernel", 30e-6)]
