@@ -15,7 +15,7 @@ backend (3.6e-7 of ``sum p|v|``). The old per-chunk, per-token formulation compu
 sums in another order and scales every value before summing; how far the two may differ is
 derived in ``docs/performance.md`` and checked by ``tests/test_reference_fast.py``.
 On a GPU the gathers and GEMMs are two fused Triton kernels instead
-(:mod:`backends._reference_triton`, reading float32 copies of the attended blocks): the
+(:mod:`backends._reference_triton`, reading fp8 blocks as bytes and others as float32): the
 same float64 and float32 sums in other orders, the same scale, softcap and softmax in torch;
 ``tests/test_reference_fast.py`` checks them against the old formulation within the same
 bounds on the GPU and, under the interpreter, on the CPU.
@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -74,6 +74,9 @@ from difftest.case import Case
 from difftest.graphs import GraphCache
 from difftest.inputs import Segments
 from difftest.tolerance import Reference
+
+if TYPE_CHECKING:
+    from difftest.backends._reference_triton import Stored
 
 ELEMENTS_PER_CHUNK = 1 << 25  # gathered values of K (or V) per chunk: 256 MiB in float64
 
@@ -157,7 +160,9 @@ def _sums(query: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
     query = query.to(f64)
     chunk = _chunk_torch
     if _triton_reads(k_stored):  # the kernels' operands, once for every chunk (exact)
-        chunk, k_stored, v_stored = _chunk_triton, k_stored.to(f32), v_stored.to(f32)
+        from difftest.backends._reference_triton import readable
+
+        chunk, k_stored, v_stored = _chunk_triton, readable(k_stored), readable(v_stored)
     for start in range(0, total_q, mode.rows_per_chunk):
         rows = slice(start, min(start + mode.rows_per_chunk, total_q))
         out[rows], abs_sum, sums = chunk(mode, seg, rows, query[rows], query_sq[rows],
@@ -218,10 +223,10 @@ def _triton_reads(k_stored: torch.Tensor) -> bool:
 
 
 def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
-                  q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor) -> Chunk:
+                  q_sq: torch.Tensor, k_stored: Stored, v_stored: Stored) -> Chunk:
     """:func:`_chunk_torch`'s three results from two fused kernels that read the blocks
-    themselves (``k_stored``/``v_stored`` as float32; the same sums in other orders; the
-    same softmax)."""
+    themselves (``k_stored``/``v_stored`` as the kernels read them; the same sums in other
+    orders; the same softmax)."""
     from difftest.backends import _reference_triton as kernels
 
     slots = seg.slots[rows]
