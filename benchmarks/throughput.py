@@ -34,7 +34,7 @@ around each call), alternately one by one (``Session.run``, serial) and pipeline
 (``Session.run_all``: a worker process builds the next cases' host-side inputs while the
 current case runs), ``--repeats`` times each on fresh cases; both medians are printed.
 
-``--device-busy N`` (a GPU) runs ``N`` more cases pipelined under torch.profiler and prints each
+``--device-busy N`` (a GPU; refused on the CPU) runs ``N`` more cases pipelined under torch.profiler and prints each
 stage's device-busy time (:mod:`benchmarks.device_busy`: the GPU's own work, charged to the
 stage whose host call launched it, graph replays included): the floor below each stage's
 wall that no host-side change reaches, and the ratio the issue asks for on device work alone.
@@ -238,6 +238,9 @@ def main() -> None:
                         help="profile one more case and print its N largest entries")
     args = parser.parse_args()
     session = Session.create(args.backends.split(","), device=args.device)
+    if args.device_busy and session.device.type != "cuda":
+        parser.error(f"--device-busy needs a CUDA/ROCm GPU (the device is "
+                     f"{session.device.type}); leave it out on the CPU")
     timer = LaunchTimer(session.device)
     timer.install()
     plain = session.reference, session.backends
@@ -282,7 +285,7 @@ def main() -> None:
     timer.active = False
     session.reference, session.backends = plain
     print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
-    if args.device_busy and session.device.type == "cuda":
+    if args.device_busy:
         seeds = range(args.cases + 2, args.cases + 2 + args.device_busy)
         print_device_busy(session, make, seeds)
     if args.profile:

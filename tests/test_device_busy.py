@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from benchmarks.device_busy import UNATTRIBUTED, attribute
 
 
@@ -39,3 +42,12 @@ def test_activities_go_to_the_innermost_stage_that_launched_them_whenever_they_r
                        "triton-unified": 120.0, UNATTRIBUTED: 13.0}
     assert busy["reference"].activities == 2
     assert busy["reference"].largest(1) == [("_scores_kernel", 30e-6)]
+
+
+def test_the_benchmark_refuses_device_busy_on_the_cpu_before_running_cases() -> None:
+    """On the CPU there is no device work to profile: an error naming the option, at once."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--device", "cpu",
+                           "--device-busy", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--device-busy needs a CUDA/ROCm GPU (the device is cpu)" in done.stderr
+    assert "case 1" not in done.stdout
