@@ -34,10 +34,11 @@ around each call), alternately one by one (``Session.run``, serial) and pipeline
 (``Session.run_all``: a worker process builds the next cases' host-side inputs while the
 current case runs), ``--repeats`` times each on fresh cases; both medians are printed.
 
-``--device-busy N`` (a GPU; refused on the CPU) runs ``N`` more cases pipelined under torch.profiler and prints each
-stage's device-busy time (:mod:`benchmarks.device_busy`: the GPU's own work, charged to the
-stage whose host call launched it, graph replays included): the floor below each stage's
-wall that no host-side change reaches, and the ratio the issue asks for on device work alone.
+``--device-busy N`` (a GPU; refused on the CPU) runs ``N`` more cases pipelined under
+torch.profiler and prints each stage's device-busy time (:mod:`benchmarks.device_busy`: the
+GPU's own work, charged to the stage whose host call launched it, graph replays included):
+the floor below each stage's wall that no host-side change reaches, and the ratio the issue
+asks for on device work alone.
 
 ``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
 the N largest entries.
