@@ -11,7 +11,11 @@ floor that no host-side change can go below. This module measures that floor:
 * :func:`attribute` reads the profiler's Chrome trace: each GPU activity (kernel, memcpy,
   memset; graph replays' kernels included) is charged to the innermost annotation around the
   host call that launched it (matched by CUPTI's correlation id), whatever moment the device
-  ran it.
+  ran it;
+* :func:`host_calls` reads the same trace for the host side: each stage's span and the torch
+  operators and CUDA runtime/driver calls it made (outermost operators only, so a ``to``
+  that calls ``copy_`` counts once), which says where a stage's wall goes beyond its device
+  work (copies, pinning, launches, synchronisations).
 """
 
 from __future__ import annotations
@@ -47,6 +51,21 @@ class StageBusy:
         return sorted(self.by_name.items(), key=lambda item: -item[1])[:count]
 
 
+@dataclass
+class StageHost:
+    """One stage's host side over the profiled cases."""
+
+    seconds: float = 0.0  # the stage's annotated spans, summed
+    entries: int = 0  # how many times the stage ran
+    by_name: dict[str, list[float]] = field(default_factory=lambda: defaultdict(lambda: [0, 0.0]))
+
+    def largest(self, count: int = 6) -> list[tuple[str, int, float]]:
+        """The ``count`` calls (``op <name>`` or ``rt <name>``) that took most of the stage's
+        host time: name, how many, seconds."""
+        ranked = sorted(self.by_name.items(), key=lambda item: -item[1][1])[:count]
+        return [(name, int(n), seconds) for name, (n, seconds) in ranked]
+
+
 def _wrapped(label: str, fn: Any) -> Any:
     from torch.profiler import record_function
 
@@ -80,6 +99,17 @@ def labelled_stages(reference: Any, backends: list[Any]) -> Iterator[None]:
         yield
 
 
+def _complete_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+
+
+def _stages(events: list[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    """The ``stage:`` annotations as (begin, end, stage name), by begin."""
+    return sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
+                   e["name"][len(PREFIX):]) for e in events
+                  if e.get("cat") == "user_annotation" and e["name"].startswith(PREFIX))
+
+
 def attribute(trace: dict[str, Any]) -> dict[str, StageBusy]:
     """Device seconds per stage from a Chrome trace (``torch.profiler``'s export).
 
@@ -87,10 +117,8 @@ def attribute(trace: dict[str, Any]) -> dict[str, StageBusy]:
     holds the launch with the same correlation id; one without such a launch or annotation
     goes to :data:`UNATTRIBUTED`.
     """
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    stages = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
-                      e["name"][len(PREFIX):]) for e in events
-                     if e.get("cat") == "user_annotation" and e["name"].startswith(PREFIX))
+    events = _complete_events(trace)
+    stages = _stages(events)
     launches = {e["args"]["correlation"]: float(e["ts"]) for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     starts = [s[0] for s in stages]
@@ -107,6 +135,33 @@ def attribute(trace: dict[str, Any]) -> dict[str, StageBusy]:
     return dict(busy)
 
 
+def host_calls(trace: dict[str, Any]) -> dict[str, StageHost]:
+    """Host seconds per stage from the same trace: the stage's spans, and the outermost torch
+    operators (per thread) and the CUDA runtime/driver calls that began inside it, charged to
+    the innermost stage; those outside every stage go to :data:`UNATTRIBUTED`."""
+    events = _complete_events(trace)
+    stages = _stages(events)
+    starts = [s[0] for s in stages]
+    host: dict[str, StageHost] = defaultdict(StageHost)
+    for begin, end, name in stages:
+        host[name].seconds += (end - begin) / 1e6
+        host[name].entries += 1
+    calls = [e for e in events if e.get("cat") in LAUNCH_CATEGORIES]
+    reach: dict[Any, float] = {}  # per thread, where the current outermost operator ends
+    for e in sorted((e for e in events if e.get("cat") == "cpu_op"),
+                    key=lambda e: (float(e["ts"]), -float(e.get("dur", 0)))):
+        begin, thread = float(e["ts"]), e.get("tid")
+        if begin >= reach.get(thread, float("-inf")):
+            reach[thread] = begin + float(e.get("dur", 0))
+            calls.append(e)
+    for e in calls:
+        kind = "op" if e.get("cat") == "cpu_op" else "rt"
+        tally = host[_innermost(stages, starts, float(e["ts"]))].by_name[f"{kind} {e['name']}"]
+        tally[0] += 1
+        tally[1] += float(e.get("dur", 0)) / 1e6
+    return dict(host)
+
+
 def _innermost(stages: list[tuple[float, float, str]], starts: list[float],
                moment: float) -> str:
     """The shortest annotation holding ``moment`` (annotations nest or are disjoint)."""
@@ -117,14 +172,14 @@ def _innermost(stages: list[tuple[float, float, str]], starts: list[float],
     return UNATTRIBUTED if best is None else best[1]
 
 
-def profiled_busy(run: Any, reference: Any, backends: list[Any], trace_path: Path
-                  ) -> dict[str, StageBusy]:
+def profiled_trace(run: Any, reference: Any, backends: list[Any], trace_path: Path
+                   ) -> dict[str, Any]:
     """Call ``run()`` under ``torch.profiler`` (CPU and CUDA) with every stage annotated;
-    the trace is kept at ``trace_path``; device seconds per stage."""
+    the trace, kept at ``trace_path``, for :func:`attribute` and :func:`host_calls`."""
     from torch.profiler import ProfilerActivity, profile
 
     with labelled_stages(reference, backends), profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
     prof.export_chrome_trace(str(trace_path))
-    return attribute(json.loads(trace_path.read_text()))
+    return json.loads(trace_path.read_text())

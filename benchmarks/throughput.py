@@ -38,7 +38,8 @@ current case runs), ``--repeats`` times each on fresh cases; both medians are pr
 torch.profiler and prints each stage's device-busy time (:mod:`benchmarks.device_busy`: the
 GPU's own work, charged to the stage whose host call launched it, graph replays included):
 the floor below each stage's wall that no host-side change reaches, and the ratio the issue
-asks for on device work alone.
+asks for on device work alone; then each stage's host span and the torch operators and CUDA
+calls that fill it (:func:`benchmarks.device_busy.host_calls`).
 
 ``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
 the N largest entries.
@@ -328,15 +329,17 @@ def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
 
 def print_device_busy(session: Session, make: Callable[[int], Case], seeds: range) -> None:
     """Run ``seeds``' cases pipelined under the profiler; print each stage's device-busy ms
-    per case (and its largest GPU activities), and (framework + reference) over each
-    backend's, on device work alone."""
+    per case (and its largest GPU activities), (framework + reference) over each backend's
+    on device work alone, then each stage's host span per case and the calls that fill it."""
     cases = [make(seed) for seed in seeds]
-    trace = Path(tempfile.gettempdir()) / "difftest-device-busy.json"
-    busy = device_busy.profiled_busy(lambda: list(session.run_all((c, None) for c in cases)),
-                                     session.reference, session.backends, trace)
+    trace_path = Path(tempfile.gettempdir()) / "difftest-device-busy.json"
+    trace = device_busy.profiled_trace(lambda: list(session.run_all((c, None) for c in cases)),
+                                       session.reference, session.backends, trace_path)
     session.close()
+    busy = device_busy.attribute(trace)
     per_case = {stage: b.seconds / len(cases) for stage, b in busy.items()}
-    print(f"device-busy ms per case, {len(cases)} cases under torch.profiler (trace {trace}):")
+    print(f"device-busy ms per case, {len(cases)} cases under torch.profiler "
+          f"(trace {trace_path}):")
     for stage, b in sorted(busy.items(), key=lambda item: -item[1].seconds):
         top = ", ".join(f"{name[:40]} {1e3 * s / len(cases):.3f}" for name, s in b.largest())
         print(f"  {stage:<24}{1e3 * per_case[stage]:8.3f}  ({b.activities // len(cases)} "
@@ -347,6 +350,16 @@ def print_device_busy(session: Session, make: Callable[[int], Case], seeds: rang
         if per_case.get(backend.name):
             print(f"device-busy (framework + reference) / {backend.name}: "
                   f"{spent / per_case[backend.name]:.2f}")
+    print("host ms per case under the profiler (its own cost included): each stage's span, "
+          "then its largest calls (op: torch operator, rt: CUDA runtime/driver), count per case")
+    host = device_busy.host_calls(trace)
+    for stage, h in sorted(host.items(), key=lambda item: -item[1].seconds):
+        if stage == device_busy.UNATTRIBUTED:
+            continue
+        print(f"  {stage:<24}{1e3 * h.seconds / len(cases):8.3f}")
+        for name, count, seconds in h.largest():
+            print(f"      {name[:52]:<52}{count / len(cases):6.1f}x"
+                  f"{1e3 * seconds / len(cases):8.3f}")
 
 
 def print_table(args: argparse.Namespace, session: Session, q_dtype: str,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from benchmarks.device_busy import UNATTRIBUTED, attribute
+from benchmarks.device_busy import UNATTRIBUTED, attribute, host_calls
 
 
-def _x(cat: str, name: str, ts: float, dur: float, correlation: int | None = None) -> dict:
-    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+def _x(cat: str, name: str, ts: float, dur: float, correlation: int | None = None,
+       tid: int = 1) -> dict:
+    event = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
     if correlation is not None:
         event["args"] = {"correlation": correlation}
     return event
@@ -42,6 +43,39 @@ def test_activities_go_to_the_innermost_stage_that_launched_them_whenever_they_r
                        "triton-unified": 120.0, UNATTRIBUTED: 13.0}
     assert busy["reference"].activities == 2
     assert busy["reference"].largest(1) == [("_scores_kernel", 30e-6)]
+
+
+def test_host_calls_count_outermost_operators_and_runtime_calls_in_the_innermost_stage() -> None:
+    trace = {"traceEvents": [
+        _x("user_annotation", "stage:generate", 0, 100),
+        _x("user_annotation", "stage:generate", 1000, 60),  # the next case
+        _x("user_annotation", "stage:triton-unified", 200, 100),
+        _x("user_annotation", "stage:cache:plain", 210, 30),  # nested in the backend's run
+        _x("cpu_op", "aten::to", 10, 40),
+        _x("cpu_op", "aten::copy_", 15, 30),  # inside aten::to: not counted again
+        _x("cuda_runtime", "cudaMemcpyAsync", 20, 20, correlation=1),
+        _x("cpu_op", "aten::pin_memory", 60, 25),
+        _x("cpu_op", "aten::to", 1010, 30),
+        _x("cpu_op", "aten::empty", 20, 5, tid=2),  # another thread: its own outermost op
+        _x("cpu_op", "aten::index_fill_", 215, 10),
+        _x("cuda_runtime", "cudaLaunchKernel", 220, 4, correlation=2),
+        _x("cpu_op", "aten::empty", 250, 2),
+        _x("cpu_op", "aten::empty", 500, 2),  # outside every stage
+    ]}
+    host = host_calls(trace)
+    assert round(host["generate"].seconds * 1e6, 6) == 160.0
+    assert host["generate"].entries == 2
+    assert _us(host["generate"].largest()) == [
+        ("op aten::to", 2, 70.0), ("op aten::pin_memory", 1, 25.0),
+        ("rt cudaMemcpyAsync", 1, 20.0), ("op aten::empty", 1, 5.0)]
+    assert _us(host["cache:plain"].largest()) == [("op aten::index_fill_", 1, 10.0),
+                                                  ("rt cudaLaunchKernel", 1, 4.0)]
+    assert _us(host["triton-unified"].largest()) == [("op aten::empty", 1, 2.0)]
+    assert _us(host[UNATTRIBUTED].largest()) == [("op aten::empty", 1, 2.0)]
+
+
+def _us(calls: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
+    return [(name, count, round(seconds * 1e6, 6)) for name, count, seconds in calls]
 
 
 def test_the_benchmark_refuses_device_busy_on_the_cpu_before_running_cases() -> None:
