@@ -79,8 +79,8 @@ def _wrapped(label: str, fn: Any) -> Any:
 @contextmanager
 def labelled_stages(reference: Any, backends: list[Any]) -> Iterator[None]:
     """Annotate every stage of the runner (restored afterwards): generation
-    (``runner.prepared_inputs``), each cache build (``RunInputs.cache``), the reference
-    (``reference.reference``), each backend's ``run`` and the comparison."""
+    (``runner.case_inputs``, prepared ahead or not), each cache build (``RunInputs.cache``),
+    the reference (``reference.reference``), each backend's ``run`` and the comparison."""
     cache = backend_module.RunInputs.cache
 
     def labelled_cache(inputs: Any, order: str) -> Any:
@@ -88,7 +88,7 @@ def labelled_stages(reference: Any, backends: list[Any]) -> Iterator[None]:
 
     with ExitStack() as undo:
         for owner, attr, replacement in (
-            (runner, "prepared_inputs", _wrapped("generate", runner.prepared_inputs)),
+            (runner, "case_inputs", _wrapped("generate", runner.case_inputs)),
             (runner, "compare", _wrapped("compare", runner.compare)),
             (backend_module.RunInputs, "cache", labelled_cache),
             (reference, "reference", _wrapped("reference", reference.reference)),
@@ -174,12 +174,15 @@ def _innermost(stages: list[tuple[float, float, str]], starts: list[float],
 
 def profiled_trace(run: Any, reference: Any, backends: list[Any], trace_path: Path
                    ) -> dict[str, Any]:
-    """Call ``run()`` under ``torch.profiler`` (CPU and CUDA) with every stage annotated;
-    the trace, kept at ``trace_path``, for :func:`attribute` and :func:`host_calls`."""
+    """Call ``run()`` under ``torch.profiler`` (CPU, and CUDA where there is a GPU) with every
+    stage annotated; the trace, kept at ``trace_path``, for :func:`attribute` and
+    :func:`host_calls`."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with labelled_stages(reference, backends), profile(
-            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA]
+                                          if torch.cuda.is_available() else [])]
+    with labelled_stages(reference, backends), profile(activities=activities) as prof:
         run()
     prof.export_chrome_trace(str(trace_path))
     return json.loads(trace_path.read_text())

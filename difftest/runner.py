@@ -194,6 +194,19 @@ def prepared_inputs(case: Case, device: torch.device, host: PreparedHost,
     return inputs
 
 
+def case_inputs(case: Case, device: torch.device, prepared: PreparedHost | None,
+                caches: CachePool | None = None) -> RunInputs:
+    """The case's inputs with its data, rows and page table made now (the runner's
+    ``generate`` stage): from ``prepared`` when a worker built the host side ahead
+    (:func:`prepared_inputs`), else all of it here."""
+    if prepared is not None:
+        inputs = prepared_inputs(case, device, prepared, caches)
+    else:
+        inputs = RunInputs(case, device, pool=caches)
+    _ = inputs.data, inputs.rows, inputs.sparse_table
+    return inputs
+
+
 def run_case(
     case: Case,
     reference: ReferenceBackend,
@@ -211,12 +224,9 @@ def run_case(
     differ instead of filled whole (the same bytes); it is cleared after a case in which a
     backend failed, in case the backend wrote into its input cache."""
     timings: dict[str, float] = {}
-    inputs = RunInputs(case, device, pool=caches)
     try:
         start = time.perf_counter()
-        if prepared is not None:
-            inputs = prepared_inputs(case, device, prepared, caches)
-        _ = inputs.data, inputs.rows, inputs.sparse_table
+        inputs = case_inputs(case, device, prepared, caches)
         _sync(device)
         timings["generate"] = time.perf_counter() - start
         start = time.perf_counter()

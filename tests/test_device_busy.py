@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
-from benchmarks.device_busy import UNATTRIBUTED, attribute, host_calls
+from benchmarks.device_busy import UNATTRIBUTED, attribute, host_calls, profiled_trace
+from benchmarks.throughput import small_case
+from difftest.session import Session
 
 
 def _x(cat: str, name: str, ts: float, dur: float, correlation: int | None = None,
@@ -85,3 +88,22 @@ def test_the_benchmark_refuses_device_busy_on_the_cpu_before_running_cases() -> 
     assert done.returncode == 2
     assert "--device-busy needs a CUDA/ROCm GPU (the device is cpu)" in done.stderr
     assert "case 1" not in done.stdout
+
+
+def test_a_real_profiled_case_charges_host_calls_to_the_runners_stages(tmp_path: Path) -> None:
+    """The annotations wrap the runner's real stages: one small case through the session's
+    pipeline under torch.profiler (CPU), each stage entered once, the reference's einsums
+    inside the reference, and no device work on the CPU."""
+    session = Session.create(["aiter-gluon@emulated"], device="cpu", artifacts=str(tmp_path))
+    case = small_case(3, "float16")
+    try:
+        trace = profiled_trace(lambda: list(session.run_all([(case, None)])),
+                               session.reference, session.backends, tmp_path / "trace.json")
+    finally:
+        session.close()
+    host = host_calls(trace)
+    assert {"generate", "reference", "aiter-gluon@emulated", "compare"} <= set(host)
+    assert all(host[s].entries == 1 for s in ("generate", "reference", "compare"))
+    assert all(h.seconds > 0 for stage, h in host.items() if stage != UNATTRIBUTED)
+    assert any(name == "op aten::einsum" for name, _, _ in host["reference"].largest(50))
+    assert attribute(trace) == {}
