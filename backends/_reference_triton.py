@@ -18,8 +18,8 @@ The scale, the softcap and the softmax between them stay torch's, on the logits 
 torch formulation has them. A float64 ``tl.dot`` does not compile on operands loaded as 8-
 or 16-bit values (Triton 3.6 on the H200: "Currently fp64 don't support largeK MMA"), so the
 kernels read fp8 blocks as 32-bit words, four values each, and decode every byte to its
-float32 value with integer operations (:func:`_widened`: exact, NaN bytes to NaN); other
-stored dtypes are read from float32 copies (:func:`operand`).
+float32 value with integer operations (:func:`_fp8_values`: exact, NaN bytes to NaN); other
+stored dtypes are read from float32 copies (:func:`readable`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _fp8_values(b, FMT: tl.constexpr):
     exp = (b >> 3) & 15
     man = b & 7
     negative = b >= 128
-    if FMT == 1:
+    if FMT == 1:  # E4M3FN (a jitted function sees no module-level int)
         normal = ((exp + 120) << 23) | (man << 20)
         tiny = man.to(tl.float32) * 0.001953125  # 2^-9
         nan = (b & 127) == 127
@@ -82,7 +82,7 @@ def _fp8_values(b, FMT: tl.constexpr):
 def _k_tile(k_ptr, slot, t, c0, B: tl.constexpr, D: tl.constexpr, KC: tl.constexpr,
             FMT: tl.constexpr):
     """``[KC, B]`` float32: head-dim entries ``c0..c0 + KC`` of the block's tokens ``t``."""
-    if FMT == 0:
+    if FMT == 0:  # FLOAT32
         c = c0 + tl.arange(0, KC)
         tile = tl.load(k_ptr + slot * (B * D) + t[None, :] * D + c[:, None])
     else:
@@ -99,7 +99,7 @@ def _v_tile(v_ptr, slot, t, B: tl.constexpr, D: tl.constexpr, KC: tl.constexpr,
             FMT: tl.constexpr):
     """``[KC, D]`` float32: the block's tokens ``t`` (``KC`` of them), the columns in
     :func:`_v_columns`' order."""
-    if FMT == 0:
+    if FMT == 0:  # FLOAT32
         c = tl.arange(0, D)
         tile = tl.load(v_ptr + slot * (B * D) + t[:, None] * D + c[None, :])
     else:
