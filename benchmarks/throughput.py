@@ -292,7 +292,7 @@ def main() -> None:
         print_device_busy(session, make, seeds)
     if args.profile:
         profile_case(session, make(args.cases + 1), args.profile)
-        session.close()
+    session.close()
 
 
 def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
@@ -335,7 +335,6 @@ def print_device_busy(session: Session, make: Callable[[int], Case], seeds: rang
     trace_path = Path(tempfile.gettempdir()) / "difftest-device-busy.json"
     trace = device_busy.profiled_trace(lambda: list(session.run_all((c, None) for c in cases)),
                                        session.reference, session.backends, trace_path)
-    session.close()
     busy = device_busy.attribute(trace)
     per_case = {stage: b.seconds / len(cases) for stage, b in busy.items()}
     print(f"device-busy ms per case, {len(cases)} cases under torch.profiler "
