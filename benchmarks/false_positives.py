@@ -47,9 +47,9 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
     import tempfile
 
     import torch
+
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.generate import generated_cases
-
     from difftest.runner import FAILING
     from difftest.session import Session
 

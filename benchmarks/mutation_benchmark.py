@@ -49,13 +49,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from difftest.cases.baseline import AITER_BATCH_SIZES, BASELINES
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from difftest import devices
 from difftest.case import Case
+from difftest.cases.baseline import AITER_BATCH_SIZES, BASELINES
 from difftest.diagnosis import hypothesis_of
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.jsonfile import write_json
@@ -352,7 +352,6 @@ def stretch_cases(device: torch.device, limits: Limits) -> list[Case]:
     """The derandomized false-positive stretch: small geometry, every supported dtype."""
     from difftest.cases.generate import generated_cases
     from difftest.cases.strategies import cases
-
     from difftest.registry import discover, select
 
     queries: set[str] = set()
@@ -415,6 +414,7 @@ def machine(device: str, workers: int) -> dict[str, Any]:
     """Where and with what the benchmark ran."""
     import hypothesis
     import triton
+
     from difftest.backends.vllm_imports import vllm_version
 
     return {"device": device, "nproc": os.cpu_count(), "workers": workers,

@@ -182,14 +182,15 @@ def _gluon_compute(case: Case) -> Hashable:
 
 # ----- the kernels ----------------------------------------------------------------------------
 M3 = "MiniMax-M3's sparse decode"
-NO_SOFTCAP_WINDOW = (f"{M3} has no softcap or window; the kernel modes (cases/modes.py) "
-                     "switch them on for the backends that run them (the others run the "
-                     "example with them off, cases/capabilities.py)")
+NO_SOFTCAP_WINDOW = (f"{M3} has no softcap or window; the kernel modes "
+                     "(difftest/cases/modes.py) switch them on for the backends that run them "
+                     "(the others run the example with them off, "
+                     "difftest/cases/capabilities.py)")
 ONE_KV_HEAD = ("vLLM's MiniMax-M3 AITER sparse PA asserts num_kv_heads == 1 per rank, and the "
                "case model holds one KV head (difftest/case.py)")
 TWO_D = ("None: the adapter calls the 2-D kernel (no split-K scratch), as vLLM's MiniMax-M3 "
-         "decode with one query token per sequence; the split-K mode (cases/modes.py) hands "
-         "over scratch so vLLM picks 2-D or 3-D by shape")
+         "decode with one query token per sequence; the split-K mode "
+         "(difftest/cases/modes.py) hands over scratch so vLLM picks 2-D or 3-D by shape")
 
 UNIFIED_ATTENTION: tuple[Argument, ...] = (
     Argument("q", _query),

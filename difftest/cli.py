@@ -410,7 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("promote", help="pin a case into the regression corpus")
     p.add_argument("path", help="artifact directory or case JSON")
     p.add_argument("name", help="corpus name (letters, digits, '-', '_', '.')")
-    p.add_argument("--corpus", type=_directory, help="corpus directory (default: cases/corpus)")
+    p.add_argument("--corpus", type=_directory,
+                   help="corpus directory (default: difftest/cases/corpus)")
     p.set_defaults(func=cmd_promote)
 
     p = sub.add_parser("merge", help="join shard reports into one report")

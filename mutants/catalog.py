@@ -20,10 +20,10 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
-from difftest.backends.triton_unified import TritonUnifiedAttention
 
 from difftest.backend import Backend, Precision
+from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
+from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.case import Case
 from difftest.layouts import CacheViews
 from difftest.sparse_table import SparseRow, build_rows

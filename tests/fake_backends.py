@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-from difftest.backends.torch_ref import TorchReference
 
 from difftest.backend import Availability, Precision, RunInputs
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
 
 

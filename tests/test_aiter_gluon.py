@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+
+from difftest import cli, registry
+from difftest.backend import EmptyRowOutput, RunInputs
 from difftest.backends.aiter_gluon import (
     EMULATED_OPTIONS,
     AiterGluon,
@@ -13,13 +17,9 @@ from difftest.backends.aiter_gluon import (
 )
 from difftest.backends.pa_decode_gluon_emulator import DEFAULT_REVISION, make_emulator
 from difftest.backends.torch_ref import TorchReference
+from difftest.case import Case
 from difftest.cases.corpus import load_corpus
 from difftest.cases.strategies import cases
-from hypothesis import assume, given, settings
-
-from difftest import cli, registry
-from difftest.backend import EmptyRowOutput, RunInputs
-from difftest.case import Case
 from difftest.runner import BackendResult, CaseResult, Status, run_case
 
 REPORTED = {c.name: c for c in load_corpus()}["lbhnc-128-blocks-2048-2040-page-2039"]

@@ -7,11 +7,6 @@ import inspect
 
 import pytest
 import torch
-from difftest.backends.pa_decode_gluon_contract import GluonEmulator
-from difftest.backends.vllm_imports import import_minimax_m3
-from difftest.cases.capabilities import Capabilities
-from difftest.cases.corpus import load_corpus
-from difftest.cases.generate import generated_cases
 
 from difftest.audit import (
     DIMENSIONS,
@@ -23,7 +18,12 @@ from difftest.audit import (
     blind_spots,
     kernel_of,
 )
+from difftest.backends.pa_decode_gluon_contract import GluonEmulator
+from difftest.backends.vllm_imports import import_minimax_m3
 from difftest.case import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, CaseError
+from difftest.cases.capabilities import Capabilities
+from difftest.cases.corpus import load_corpus
+from difftest.cases.generate import generated_cases
 from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.registry import discover, select
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from difftest.backends.aiter_gluon import AiterGluon
-from difftest.backends.torch_ref import TorchReference
 
 from difftest.backend import (
     Backend,
@@ -15,6 +13,8 @@ from difftest.backend import (
     serves_as_reference,
     takes_options,
 )
+from difftest.backends.aiter_gluon import AiterGluon
+from difftest.backends.torch_ref import TorchReference
 from difftest.registry import RegistryError, guard, load_plugin
 from difftest.session import Session
 

@@ -36,13 +36,13 @@ from typing import Any
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.cases.corpus import load_corpus
-from difftest.cases.generate import generated_cases
 from hypothesis import settings
 
 from difftest.backend import EmptyRowOutput, Precision, RunInputs
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
+from difftest.cases.generate import generated_cases
 from difftest.compare import compare
 from difftest.dtypes import torch_dtype, unit_roundoff
 from difftest.tolerance import Tolerance
@@ -52,7 +52,7 @@ GENERATED = 200
 CPU = torch.device("cpu")
 # How far a greatest error/tolerance may move: the reference's tolerance magnitudes are float32
 # sums since 7b7e2f0, within 7.7e-6 (sum p|v|) and 7.8e-6 (logit magnitude) relative
-# (backends/torch_ref.py); the output and every verdict must not move at all.
+# (difftest/backends/torch_ref.py); the output and every verdict must not move at all.
 RATIO_MOVE = 2e-5
 
 

@@ -18,12 +18,12 @@ from unittest import mock
 
 import pytest
 import torch
-from difftest.backends.vllm_imports import import_minimax_m3
-from difftest.cases.strategies import cases
 from hypothesis import example, given, settings
 
 from difftest.backend import RunInputs
+from difftest.backends.vllm_imports import import_minimax_m3
 from difftest.case import Case
+from difftest.cases.strategies import cases
 from difftest.sparse_table import aiter_table_differs, aiter_table_rows, build_rows, page_table
 
 SENTINEL = -7

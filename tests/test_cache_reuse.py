@@ -13,11 +13,11 @@ import random
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.cases.corpus import load_corpus
 
 from difftest.backend import RunInputs
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
 from difftest.dtypes import KV_DTYPES
 from difftest.inputs import generate
 from difftest.layouts import (

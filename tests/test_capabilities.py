@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from difftest.cases.capabilities import Capabilities, Fitted, variants
-from difftest.cases.generate import generated_cases
 
 from difftest import cli
 from difftest.backend import Availability
 from difftest.case import Case
+from difftest.cases.capabilities import Capabilities, Fitted, variants
+from difftest.cases.generate import generated_cases
 from difftest.registry import discover, select
 from difftest.sparse_table import selection_is_canonical
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from difftest.cases.corpus import load_corpus
 
 from difftest.case import Case, CaseError
+from difftest.cases.corpus import load_corpus
 
 
 def small(**changes) -> Case:

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from difftest.cases.corpus import CORPUS_DIR, load_corpus
 
 from difftest import cli
 from difftest.artifacts import ArtifactStore
 from difftest.case import Case
+from difftest.cases.corpus import CORPUS_DIR, load_corpus
 from difftest.coverage import case_features
 from difftest.records import CaseRecord, ResultRecord, Status
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.cases.corpus import load_corpus
-
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
 from difftest.compare import Comparison
 from difftest.runner import Status, run_case
 from difftest.sparse_table import build_rows, row_page_ids

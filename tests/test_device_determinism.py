@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from difftest.cases.corpus import load_corpus
 
 from difftest import counter_rng
 from difftest.backend import RunInputs
+from difftest.cases.corpus import load_corpus
 from difftest.dtypes import KV_DTYPES, torch_dtype
 from difftest.inputs import _draw_stored, quantize
 

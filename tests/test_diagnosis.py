@@ -12,11 +12,11 @@ import json
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.backends.triton_unified import TritonUnifiedAttention
 
 from difftest import diagnosis
 from difftest.backend import RunInputs
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.case import Case
 from difftest.diagnosis import HYPOTHESIS_NAMES, NOTHING, diagnose, hypothesis_of
 from difftest.records import CaseRecord

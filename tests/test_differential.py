@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from difftest.cases.corpus import load_corpus
 from hypothesis import given, target
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
 
 CORPUS = load_corpus()
 

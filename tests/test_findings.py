@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.backends.triton_unified import INTERPRETER_BF16_FINDING, TritonUnifiedAttention
 
 from difftest import devices
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.triton_unified import INTERPRETER_BF16_FINDING, TritonUnifiedAttention
 from difftest.case import Case
 from difftest.runner import Status, run_case
 

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.cases.corpus import load_corpus
 
 from difftest import compare as compare_module
 from difftest.backend import EmptyRowOutput, Precision, RunInputs
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
 from difftest.compare import Comparison, compare
 from difftest.graphs import GraphCache
 from difftest.tolerance import Tolerance

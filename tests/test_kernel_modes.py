@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, find, settings
+from hypothesis import strategies as st
+
+from difftest.audit import audit
+from difftest.backend import RunInputs
 from difftest.backends import triton_unified
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
@@ -20,15 +25,10 @@ from difftest.backends.triton_unified import (
 )
 from difftest.backends.vllm_release import release_root
 from difftest.backends.vllm_triton_sparse import IRREGULAR_FINDING, VllmTritonSparse
+from difftest.case import MODE_DEFAULTS, Case, CaseError
 from difftest.cases.generate import generated_cases
 from difftest.cases.modes import with_kernel_modes
 from difftest.cases.strategies import cases
-from hypothesis import HealthCheck, find, settings
-from hypothesis import strategies as st
-
-from difftest.audit import audit
-from difftest.backend import RunInputs
-from difftest.case import MODE_DEFAULTS, Case, CaseError
 from difftest.runner import Status, run_case
 from difftest.sparse_table import kernel_sequences, portable_reading_differs
 from difftest.tolerance import Tolerance

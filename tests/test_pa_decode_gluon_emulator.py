@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from difftest.backends.pa_decode_gluon_emulator import (
     DEFAULT_REVISION,
     REVISIONS,

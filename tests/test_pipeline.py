@@ -19,15 +19,15 @@ from typing import Any
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
 from hypothesis import given
 
 from benchmarks.throughput import production_case
 from difftest import inputs, runner
 from difftest import session as session_module
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import MODE_DEFAULTS, Case
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
 from difftest.session import Session
 
 NAN_PLUGIN = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"

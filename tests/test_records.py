@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from difftest.cases.corpus import load_corpus
 
 from difftest import records, runner
 from difftest.artifacts import ArtifactStore, read_results
+from difftest.cases.corpus import load_corpus
 from difftest.compare import Comparison, Location
 from difftest.jsonfile import dumps
 from difftest.records import FEATURE_TYPES, CaseRecord, RecordError, ResultRecord, Status

@@ -17,15 +17,15 @@ import math
 
 import pytest
 import torch
-from difftest.backends import torch_ref
-from difftest.backends.torch_ref import TorchReference
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
 from hypothesis import given, settings
 
 from difftest import devices
 from difftest.backend import Precision, RunInputs
+from difftest.backends import torch_ref
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
 from difftest.tolerance import Reference, Tolerance
 from tests.test_reference_magnitudes import MODES, relative_bounds
 
@@ -109,7 +109,7 @@ def difference_bound(case: Case, ref: Reference, length: int) -> tuple[torch.Ten
 def magnitude_slack(inputs: RunInputs, old: Reference, length: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the float32 magnitudes (7b7e2f0) may add to the bounds of ``abs_output`` and
-    ``logit_magnitude``: their relative bounds (``backends/torch_ref.py``'s docstring,
+    ``logit_magnitude``: their relative bounds (``difftest/backends/torch_ref.py``'s docstring,
     ``tests/test_reference_magnitudes.py``) and the flushed-subnormal term of ``abs_output``."""
     case, v = inputs.case, inputs.data.v_stored
     rho_a, rho_m = relative_bounds(case, length)
@@ -172,7 +172,8 @@ def test_chunked_rows_give_the_same_reference(monkeypatch: pytest.MonkeyPatch) -
 def test_gpu_reference_agrees_with_the_old_one_within_bound(case: Case,
                                                             modes: dict[str, object]) -> None:
     """On the GPU too: other GEMM kernels, and for the KV dtypes it reads the fused kernels of
-    backends/_reference_triton.py (other summation orders; softcap and window handled apart)."""
+    difftest/backends/_reference_triton.py (other summation orders; softcap and window handled
+    apart)."""
     case = case.replace(**modes)
     inputs = RunInputs(case, torch.device("cuda"))
     new, old = TorchReference().reference(inputs), chunked_reference(inputs)
@@ -199,7 +200,7 @@ def test_the_bound_catches_a_wrong_reference() -> None:
 @pytest.mark.parametrize("modes", MODES[:3], ids=lambda m: ",".join(m) or "plain")
 def test_the_gpu_kernels_agree_within_bound_in_the_interpreter(
         monkeypatch: pytest.MonkeyPatch, modes: dict[str, object]) -> None:
-    """The fused kernels the reference runs on GPUs (backends/_reference_triton.py), run by
+    """The fused kernels the reference runs on GPUs (difftest/backends/_reference_triton.py), run by
     Triton's interpreter here, against the per-chunk reference: within the same bounds."""
     if not devices.interpreted():
         pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")

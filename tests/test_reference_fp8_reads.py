@@ -1,4 +1,4 @@
-"""The reference's GPU kernels read fp8 blocks as bytes (backends/_reference_triton.py):
+"""The reference's GPU kernels read fp8 blocks as bytes (difftest/backends/_reference_triton.py):
 every byte must decode to the value torch gives it, exactly, in both e4m3 formats.
 
 A one-hot query per head makes each logit one stored K value (``q . k = k[c]``, exact in
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from difftest.backends import _reference_triton as kernels
 
 from difftest import devices
+from difftest.backends import _reference_triton as kernels
 
 BLOCK, DIM = 128, 128
 

@@ -3,8 +3,9 @@
 ``float64_reference`` is ``TorchReference.reference`` of commit b6ecf3a, verbatim but for its
 name and the chunk size read at call time: everything in float64. The current reference must
 give the same ``output`` bit for bit (the logits, softmax and ``P V`` are unchanged) and
-``abs_output`` and ``logit_magnitude`` within the bound derived in ``backends/torch_ref.py``,
-so that every tolerance moves by at most the relative amount derived there.
+``abs_output`` and ``logit_magnitude`` within the bound derived in
+``difftest/backends/torch_ref.py``, so that every tolerance moves by at most the relative
+amount derived there.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import random
 
 import pytest
 import torch
-from difftest.backends import torch_ref
-from difftest.backends.torch_ref import TorchReference
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
 from hypothesis import given, settings
 
 from difftest.backend import Precision, RunInputs
+from difftest.backends import torch_ref
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
 from difftest.dtypes import QUERY_DTYPES, unit_roundoff
 from difftest.tolerance import LOGIT_SIGMAS, Reference, Tolerance
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
 
 from difftest.backend import RunInputs
+from difftest.backends.torch_ref import TorchReference
 from difftest.case import Case
 from difftest.registry import RegistryError, discover, select, split_names
 from difftest.runner import Status, run_case

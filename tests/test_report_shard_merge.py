@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from difftest.cases.corpus import load_corpus
-from difftest.cases.generate import generated_cases
 
 from difftest import cli
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
+from difftest.cases.generate import generated_cases
 from difftest.jsonfile import write_json
 from difftest.records import CaseRecord, ResultRecord, Status
 from difftest.report import REPORT_SCHEMA, ReportError, case_records, read_report

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
 from hypothesis import given
 
 from benchmarks.throughput import production_case
 from difftest import coverage, jsonfile
 from difftest.artifacts import ArtifactStore
 from difftest.case import Case
+from difftest.cases.corpus import load_corpus
+from difftest.cases.strategies import cases
 from difftest.coverage import PAGE_ID_2_16, case_features
 from difftest.records import CaseRecord
 from difftest.report import build_report, write_report

@@ -11,13 +11,13 @@ import dataclasses
 from collections import Counter
 
 import torch
-from difftest.backends.aiter_gluon import AiterGluon
-from difftest.cases.generate import generated_cases
-from difftest.cases.strategies import PAGE_IDS_PAST_2_16, cases
 from hypothesis import find, settings
 
 from benchmarks.mutation_benchmark import FULL, hunt
+from difftest.backends.aiter_gluon import AiterGluon
 from difftest.case import BLOCK_SIZE
+from difftest.cases.generate import generated_cases
+from difftest.cases.strategies import PAGE_IDS_PAST_2_16, cases
 from difftest.sparse_table import build_rows, selection_is_canonical
 from mutants.catalog import MUTATIONS
 from mutants.injection import MutantBackend

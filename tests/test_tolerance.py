@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
 
 from difftest.backend import Precision
+from difftest.backends.torch_ref import TorchReference
 from difftest.casefile import read_case
 from difftest.dtypes import underflow_unit
 from difftest.registry import discover

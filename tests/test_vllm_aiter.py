@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from difftest.backends.aiter_gluon import aiter_availability
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_aiter import VllmAiter
 from difftest.backends.vllm_imports import vllm_version
 from difftest.cases.corpus import load_corpus
-
 from difftest.runner import Status, run_case
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from difftest.backends.torch_ref import TorchReference
-from difftest.backends.vllm_aiter import VllmAiter, cut_short_reason
-from difftest.cases.capabilities import Capabilities
 
 from difftest.backend import RunInputs
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.vllm_aiter import VllmAiter, cut_short_reason
 from difftest.casefile import read_case
+from difftest.cases.capabilities import Capabilities
 from difftest.compare import compare
 from difftest.runner import Status, run_case
 from difftest.sparse_table import aiter_table_rows, build_rows, selection_is_canonical

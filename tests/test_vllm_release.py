@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from benchmarks.history import KNOWN_BUGS, attribute, known_bugs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_release import ReleaseError, resolve
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
+from difftest.case import Case
 from difftest.cases.capabilities import Capabilities
 from difftest.cases.generate import generated_cases
-
-from benchmarks.history import KNOWN_BUGS, attribute, known_bugs
-from difftest.case import Case
 from difftest.registry import RegistryError, select
 from difftest.runner import Status, run_case
 

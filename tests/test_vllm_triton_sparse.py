@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+
+from difftest import devices
+from difftest.backend import EmptyRowOutput, RunInputs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_triton_sparse import (
     INTERPRETER_BF16_FINDING,
     IRREGULAR_FINDING,
     VllmTritonSparse,
 )
+from difftest.case import Case, cdiv
 from difftest.cases.corpus import load_corpus
 from difftest.cases.strategies import cases
-from hypothesis import given, settings
-
-from difftest import devices
-from difftest.backend import EmptyRowOutput, RunInputs
-from difftest.case import Case, cdiv
 from difftest.compare import Comparison, compare
 from difftest.runner import Status, run_case
 from difftest.sparse_table import Segment, SparseRow

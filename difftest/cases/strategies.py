@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from difftest.cases.modes import mode_flags, mode_plans, query_lengths
 from hypothesis import strategies as st
 
 from difftest.case import (
@@ -35,6 +34,7 @@ from difftest.case import (
     Case,
     cdiv,
 )
+from difftest.cases.modes import mode_flags, mode_plans, query_lengths
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
 PAGE_IDS_PAST_2_16 = {"LBHNC": 4097, "LHBNC": 8193}  # smallest cache with a page id > 65536

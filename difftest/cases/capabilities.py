@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from difftest.cases.strategies import DtypeCombo, cases, dtype_combos
 from hypothesis import strategies as st
 
 from difftest.backend import Backend
 from difftest.case import KV_LAYOUTS, Case, CaseError
+from difftest.cases.strategies import DtypeCombo, cases, dtype_combos
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
 
 REDRAWS = 4  # draws of an example some backend cannot run in any variant, before it is kept

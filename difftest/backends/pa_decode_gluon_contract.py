@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from difftest.backends.pa_decode_gluon_numerics import (
     Launch,
     cdiv,

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from difftest.backends.vllm_imports import triton_availability, triton_precision, vllm_version
-from difftest.backends.vllm_release import chosen_release
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backends.vllm_imports import triton_availability, triton_precision, vllm_version
+from difftest.backends.vllm_release import chosen_release
 from difftest.case import Case
 from difftest.dtypes import dtype_name, torch_dtype
 from difftest.sparse_table import kernel_sequences, unified_query_blocks

@@ -1,4 +1,5 @@
-"""The pinned regression corpus: named cases in ``cases/corpus/*.json`` that run every time."""
+"""The pinned regression corpus: named cases in ``difftest/cases/corpus/*.json``, run every
+time."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import types
 from collections.abc import Iterator
 
 import torch
+
 from difftest.backends.pa_decode_gluon_contract import (
     DEFAULT_ARCH,
     DEFAULT_NUM_CUS,

@@ -40,6 +40,9 @@ from functools import lru_cache
 from typing import Any
 
 import torch
+
+from difftest import gpus
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.pa_decode_gluon_emulator import (
     DEFAULT_NUM_CUS,
     DEFAULT_REVISION,
@@ -47,9 +50,6 @@ from difftest.backends.pa_decode_gluon_emulator import (
     GluonEmulator,
     make_emulator,
 )
-
-from difftest import gpus
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.fingerprint import aiter_commit

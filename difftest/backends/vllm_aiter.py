@@ -23,6 +23,8 @@ unsupported unless the option ``irregular=accept`` forces it through (then it di
 from __future__ import annotations
 
 import torch
+
+from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.backends.aiter_gluon import (
     EMULATED_OPTIONS,
     GluonCaller,
@@ -38,8 +40,6 @@ from difftest.backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
-
-from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.registry import OptionSpec

@@ -38,6 +38,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+
+from difftest import devices
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.vllm_imports import (
     import_minimax_m3,
     minimax_m3_loading,
@@ -47,9 +50,6 @@ from difftest.backends.vllm_imports import (
     vllm_version,
 )
 from difftest.backends.vllm_release import chosen_release
-
-from difftest import devices
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.registry import OptionSpec

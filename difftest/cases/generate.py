@@ -6,12 +6,12 @@ every report), so two runners, or a baseline and a candidate image, see the same
 
 from __future__ import annotations
 
-from difftest.cases.strategies import cases
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from difftest.case import Case
+from difftest.cases.strategies import cases
 
 
 def generated_cases(count: int, seed: int = 0,
