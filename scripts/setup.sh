@@ -161,6 +161,25 @@ with tempfile.NamedTemporaryFile("w", suffix=".txt", prefix="difftest-keep-") as
         pip("--no-deps", *no_deps)
 installed_now = [req for req, _ in missing if req not in skipped]
 
+# AITER's Triton ops for the aiter-unified backend where no AITER is installed: the PyPI wheel
+# (pure Python) unpacked --no-deps into <venv>/difftest-aiter, never on sys.path, so it never
+# shadows a real AITER (difftest/backends/aiter_triton.py).
+AITER_WHEEL = "amd-aiter==0.1.7.post2.dev18"
+side = Path(sys.prefix) / "difftest-aiter"
+real = importlib.util.find_spec("aiter")
+if real is None or not any((Path(d) / "ops" / "triton").is_dir()
+                           for d in real.submodule_search_locations or ()):
+    if (side / "aiter" / "ops" / "triton").is_dir():
+        reused.append(f"{AITER_WHEEL.replace('==', ' ')} ({side.name})")
+    elif OFFLINE:
+        skipped.append(f"{AITER_WHEEL} (its backend is unavailable)")
+    else:
+        partial = side.with_name(side.name + ".partial")
+        subprocess.run(["rm", "-rf", str(partial)], check=True)
+        pip("--no-deps", "--no-compile", "--target", str(partial), AITER_WHEEL)
+        partial.rename(side)
+        installed_now.append(f"{AITER_WHEEL} (into {side.name})")
+
 # The project itself, editable; redone only when pyproject.toml or the checkout changed.
 stamp = Path(sys.prefix) / "difftest-setup.stamp"
 wanted = f"{hashlib.sha256(Path('pyproject.toml').read_bytes()).hexdigest()} {Path.cwd()}\n"

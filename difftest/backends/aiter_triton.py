@@ -1,0 +1,268 @@
+"""Finding AITER's Triton ops and importing them without ROCm.
+
+``import aiter`` needs ROCm (its ``__init__`` builds the JIT extension environment and reads
+the HIP version), but AITER's Triton ops are plain Python over Triton. An :class:`AiterSource`
+is one AITER tree on disk; :meth:`AiterSource.load` executes one of its module files under a
+private top-level name (``_difftest_aiter_<tag>.ops.triton...``), with every directory an
+empty package (no ``__init__`` runs) and its ``from aiter... import`` / ``import aiter... as``
+lines pointed at the same private name. Only import lines are rewritten, on their own lines,
+so every ``@triton.jit`` function keeps AITER's text and line numbers.
+
+Where a source comes from (:func:`chosen_source`): an ``aiter=<path or name>`` option, else
+``$DIFFTEST_AITER``; else the AITER installed in the environment (ROCm runners' real one);
+else the PyPI wheel ``scripts/setup.sh`` unpacks into ``<venv>/difftest-aiter`` (never on
+``sys.path``, so it never shadows a real AITER). A name resolves to
+``$DIFFTEST_AITER_ROOT/<name>`` (default ``~/.cache/difftest/aiter/<name>``), where
+``scripts/fetch_aiter.sh`` puts a wheel version or a git tag.
+
+Without a GPU, AITER's import-time and launch-time questions about the device are answered on
+its behalf, in one place (:class:`DeviceAnswers`): Triton's active driver reports a HIP target
+of the chosen gfx arch (AITER reads it for its fp8 type and tuning), and ``get_num_sms`` of
+AITER's ``utils/device_info`` returns the chosen compute-unit count (AITER's 2-D/3-D choice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import re
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT_ENV = "DIFFTEST_AITER_ROOT"
+SOURCE_ENV = "DIFFTEST_AITER"
+DEFAULT_ROOT = Path("~/.cache/difftest/aiter")
+WHEEL_DIR = "difftest-aiter"  # under the venv's prefix: where setup unpacks the PyPI wheel
+VERSION_FILE = "difftest-aiter-version"  # written by scripts/fetch_aiter.sh beside aiter/
+
+# Compute units of the CDNA GPUs whose arch a CPU run answers (MI300X, MI355X).
+COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256}
+# The arch whose AITER fp8 type (``aiter.ops.triton.utils.types.e4m3_dtype``) is each format.
+ARCH_OF_FP8 = {"float8_e4m3fnuz": "gfx942", "float8_e4m3fn": "gfx950"}
+
+_FROM_LINE = re.compile(r"^(\s*from\s+)aiter((?:\.\w+)*\s+import\b)", re.M)
+_IMPORT_AS_LINE = re.compile(r"^(\s*import\s+)aiter((?:\.\w+)+\s+as\s+\w+)", re.M)
+_DEVICE_INFO = "ops.triton.utils.device_info"
+
+
+class SourceError(ValueError):
+    """An ``aiter=`` option names no usable AITER tree; the message says where it looked."""
+
+
+@dataclass(frozen=True)
+class DeviceAnswers:
+    """What AITER is told about the GPU when there is none: a gfx arch and its CU count."""
+
+    arch: str
+    compute_units: int
+
+    @staticmethod
+    def for_arch(arch: str) -> DeviceAnswers:
+        """The answers for one of :data:`COMPUTE_UNITS`' archs."""
+        if arch not in COMPUTE_UNITS:
+            raise ValueError(f"arch={arch}: allowed {', '.join(sorted(COMPUTE_UNITS))}")
+        return DeviceAnswers(arch, COMPUTE_UNITS[arch])
+
+    def describe(self) -> str:
+        """One line for ``versions()``."""
+        return (f"{self.arch} (Triton's active driver reports target hip/{self.arch}, "
+                f"warp 64; get_num_sms() -> {self.compute_units})")
+
+
+class _AnsweringDriver:
+    """A stand-in for Triton's active driver that reports one HIP target."""
+
+    def __init__(self, arch: str) -> None:
+        self.arch = arch
+
+    def get_current_target(self) -> object:
+        """``GPUTarget("hip", arch, 64)``."""
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("hip", self.arch, 64)
+
+    def get_current_device(self) -> int:
+        """Device 0."""
+        return 0
+
+
+@contextlib.contextmanager
+def answering(answers: DeviceAnswers | None) -> Iterator[None]:
+    """Triton's active driver reports ``answers.arch`` inside the block (nothing without
+    answers); the previous driver comes back after it."""
+    if answers is None:
+        yield
+        return
+    from triton.runtime.driver import driver
+
+    previous = driver._active
+    driver.set_active(_AnsweringDriver(answers.arch))
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+@dataclass(frozen=True)
+class AiterSource:
+    """One AITER tree: ``package`` is its ``aiter/`` directory; ``origin`` says where it was
+    found (``installed``, ``wheel``, ``tree``)."""
+
+    spec: str
+    package: Path
+    version: str
+    origin: str
+
+    def find(self, *candidates: str) -> Path | None:
+        """The first of ``candidates`` (paths inside ``aiter/``) this tree has."""
+        for relative in candidates:
+            path = self.package / relative
+            if path.is_file():
+                return path
+        return None
+
+    def module_prefix(self, answers: DeviceAnswers | None) -> str:
+        """The private top-level name its modules load under (one per tree and answers)."""
+        tag = re.sub(r"\W", "_", self.version)
+        tag += "_" + hashlib.sha256(str(self.package).encode()).hexdigest()[:8]
+        return f"_difftest_aiter_{tag}" + (f"_{answers.arch}" if answers else "")
+
+    def load(self, path: Path, answers: DeviceAnswers | None) -> types.ModuleType:
+        """Import the tree's module file ``path`` under the private name (once), with
+        ``answers`` given to AITER's device questions (none on a GPU)."""
+        prefix = self.module_prefix(answers)
+        if not any(isinstance(f, _AiterFinder) and f.prefix == prefix for f in sys.meta_path):
+            sys.meta_path.append(_AiterFinder(self.package, prefix, answers))
+        relative = path.relative_to(self.package).with_suffix("")
+        with answering(answers):
+            return importlib.import_module(".".join((prefix, *relative.parts)))
+
+
+class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``<prefix>.<path inside aiter/>`` in one tree (directories are empty packages)."""
+
+    def __init__(self, package: Path, prefix: str, answers: DeviceAnswers | None) -> None:
+        self.package = package
+        self.prefix = prefix
+        self.answers = answers
+
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
+        """A spec for names under the prefix, ``None`` for every other name."""
+        if fullname != self.prefix and not fullname.startswith(self.prefix + "."):
+            return None
+        location = self.package.joinpath(*fullname.split(".")[1:])
+        if location.is_dir():
+            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+            spec.submodule_search_locations = []  # only this finder finds children
+            return spec
+        if location.with_suffix(".py").is_file():
+            return importlib.machinery.ModuleSpec(fullname, self,
+                                                  origin=str(location.with_suffix(".py")))
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        """Default module creation."""
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Run a module file with its ``aiter`` imports pointed at the prefix; packages stay
+        empty. ``device_info.get_num_sms`` is replaced by the answered CU count."""
+        spec = module.__spec__
+        if spec is None or spec.origin is None or spec.submodule_search_locations is not None:
+            return
+        path = Path(spec.origin)
+        module.__file__ = str(path)
+        source = _FROM_LINE.sub(rf"\g<1>{self.prefix}\g<2>", path.read_text())
+        source = _IMPORT_AS_LINE.sub(rf"\g<1>{self.prefix}\g<2>", source)
+        exec(compile(source, str(path), "exec"), module.__dict__)
+        if self.answers is not None and module.__name__ == f"{self.prefix}.{_DEVICE_INFO}":
+            units = self.answers.compute_units
+            module.get_num_sms = lambda: units
+
+
+def source_root() -> Path:
+    """Where names are looked up: ``$DIFFTEST_AITER_ROOT`` or ``~/.cache/difftest/aiter``."""
+    return Path(os.environ.get(ROOT_ENV) or DEFAULT_ROOT).expanduser()
+
+
+def _version_of(package: Path) -> str:
+    marker = package.parent / VERSION_FILE
+    if marker.is_file():
+        return marker.read_text().strip()
+    for info in sorted(package.parent.glob("*aiter*.dist-info")):
+        return info.name.removesuffix(".dist-info").rpartition("-")[2]
+    return "unknown"
+
+
+def _has_triton_ops(package: Path) -> bool:
+    return (package / "ops" / "triton").is_dir()
+
+
+def resolve(spec: str) -> AiterSource:
+    """The tree an ``aiter=`` option names; :class:`SourceError` when it is not there."""
+    if "/" in spec or spec.startswith("."):
+        given = Path(spec).expanduser().resolve()
+        package = given if given.name == "aiter" else given / "aiter"
+    else:
+        package = source_root() / spec / "aiter"
+    if not _has_triton_ops(package):
+        fetch = "" if "/" in spec else f"; fetch it with scripts/fetch_aiter.sh {spec}"
+        raise SourceError(f"aiter={spec}: no AITER package with ops/triton at {package} "
+                          f"(names resolve under ${ROOT_ENV}, default {DEFAULT_ROOT}){fetch}")
+    return AiterSource(spec, package, _version_of(package), "tree")
+
+
+def installed_source() -> AiterSource | None:
+    """The AITER of this environment (found without importing it), if it has Triton ops."""
+    spec = importlib.util.find_spec("aiter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations)))
+    if not _has_triton_ops(package):
+        return None  # e.g. PyPI's unrelated "aiter"
+    version = "unknown"
+    for dist in ("amd-aiter", "aiter"):
+        try:
+            version = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return AiterSource("installed", package, version, "installed")
+
+
+def wheel_source() -> AiterSource | None:
+    """The PyPI wheel setup unpacked into ``<venv>/difftest-aiter``, if it is there."""
+    package = Path(sys.prefix) / WHEEL_DIR / "aiter"
+    if not _has_triton_ops(package):
+        return None
+    return AiterSource("wheel", package, _version_of(package), "wheel")
+
+
+def chosen_source(option: str | None) -> tuple[AiterSource | None, str]:
+    """The tree a backend runs and, when there is none, why: the ``aiter=`` option's (a bad
+    one raises :class:`SourceError`), else ``$DIFFTEST_AITER``'s, else the installed AITER,
+    else the setup's wheel."""
+    if option:
+        return resolve(option), ""
+    spec = os.environ.get(SOURCE_ENV)
+    if spec:
+        try:
+            return resolve(spec), ""
+        except SourceError as err:
+            return None, f"${SOURCE_ENV}: {err}"
+    found = installed_source() or wheel_source()
+    if found is None:
+        return None, (f"no AITER with Triton ops: none installed, no wheel in "
+                      f"{Path(sys.prefix) / WHEEL_DIR} (bash scripts/setup.sh unpacks "
+                      f"amd-aiter's wheel there), no aiter= option or ${SOURCE_ENV}")
+    return found, ""

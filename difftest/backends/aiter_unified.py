@@ -1,0 +1,275 @@
+"""``aiter-unified`` and ``aiter-unified@shuffled``: AITER's Triton ``unified_attention``.
+
+The kernel behind vLLM's ``ROCM_AITER_UNIFIED_ATTN`` backend, fed as ``triton-unified`` feeds
+vLLM's: each query row is a sequence of length 1 (or, with ``query_lens``, a request whose
+rows select their causal blocks in order is one causal sequence) attending
+``context_lens[row]`` tokens through the framework's page-16 sparse table, on the untrimmed K
+and V views (2048 vs 2040 pages at 128 blocks), fp8 K/V with per-tensor ``k_descale`` and
+``v_descale``, fp8 queries with ``q_descale`` (releases from v0.1.16), the logit softcap, and
+the sliding window ``W`` as ``window_size=(W - 1, 0)``.
+
+``aiter-unified`` reads the plain page-16 views ``[pages, 16, nkv, D]``;
+``aiter-unified@shuffled`` reads AITER's pre-shuffled views, K ``[pages, nkv, D/x, 16, x]``
+and V ``[pages, nkv, 16/x, D, x]`` with ``shuffled_kv_cache=True`` (releases from v0.1.16).
+
+AITER picks its 2-D or 3-D kernel itself (:func:`kernel_path`): 3-D for decode batches whose
+``max_seqlen_k`` exceeds 512 without a sliding window, while the 2-D grid is within four
+programs per compute unit. vLLM's split-K launch fields of a case (``split_k_segments``,
+``seq_threshold_3d``) are vLLM's own and not passed.
+
+Options: ``aiter=<path or name>`` (:mod:`difftest.backends.aiter_triton`: which AITER tree);
+``arch=gfx942|gfx950`` (CPU only: the gfx arch answered on AITER's behalf; default per case,
+the arch whose AITER fp8 type is the case's fp8 format, gfx950 for 16-bit caches).
+Native on a ROCm GPU; on the CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from difftest import devices
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backends.aiter_triton import (
+    ARCH_OF_FP8,
+    COMPUTE_UNITS,
+    AiterSource,
+    DeviceAnswers,
+    answering,
+    chosen_source,
+)
+from difftest.backends.triton_unified import (
+    INTERPRETER_BF16_FINDING,
+    INTERPRETER_FP8_QUERY_FINDING,
+)
+from difftest.backends.vllm_imports import triton_precision
+from difftest.case import Case
+from difftest.dtypes import torch_dtype
+from difftest.sparse_table import kernel_sequences
+
+KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
+                "ops/triton/unified_attention.py")
+TYPES_FILES = ("ops/triton/utils/types.py",)
+MAX_2D_SEQLEN_K = 512  # AITER: max_seqlen_k <= 512 always takes the 2-D kernel
+
+
+def case_arch(case: Case) -> str:
+    """The CDNA arch whose AITER fp8 type is the case's: gfx942 for e4m3fnuz, else gfx950."""
+    return ARCH_OF_FP8.get(case.kv_dtype, "gfx950")
+
+
+def max_seqlen_k(case: Case) -> int:
+    """The ``max_seqlen_k`` passed: the longest sparse-table row, ``topk * block_size``."""
+    return case.topk * case.block_size
+
+
+def kernel_path(case: Case, compute_units: int) -> str:
+    """``"2D"`` or ``"3D"``: AITER's ``use_2d_kernel`` for ``case`` on a GPU of that many
+    compute units (2-D with a sliding window, ``max_seqlen_k <= 512``, or more 2-D programs
+    than ``4 * compute_units``; decode sequences count one program per KV head)."""
+    seqs = kernel_sequences(case)
+    programs = len(seqs) * case.num_kv_heads
+    if case.sliding_window or max_seqlen_k(case) <= MAX_2D_SEQLEN_K:
+        return "2D"
+    return "2D" if programs > 4 * compute_units else "3D"
+
+
+class AiterUnified:
+    """Adapter from a case to AITER's ``unified_attention`` (plain or shuffled views)."""
+
+    def __init__(self, shuffled: bool = False, options: Mapping[str, str] | None = None) -> None:
+        self.shuffled = shuffled
+        base = "aiter-unified@shuffled" if shuffled else "aiter-unified"
+        options = dict(options or {})
+        unknown = sorted(set(options) - {"aiter", "arch"})
+        if unknown:
+            raise ValueError(f"{base}: unknown option {unknown[0]!r} (options: aiter, arch)")
+        self.arch = options.get("arch", "")
+        if self.arch and self.arch not in COMPUTE_UNITS:
+            raise ValueError(f"{base}: arch={self.arch!r} is not one of "
+                             f"{', '.join(COMPUTE_UNITS)}")
+        self.source, self.source_error = chosen_source(options.get("aiter"))
+        changed = [f"{key}={options[key]}" for key in sorted(options)]
+        self.name = f"{base}[{','.join(changed)}]" if changed else base
+        self.in_page_orders = ("shuffled",) if shuffled else ("plain",)
+        self._modules: dict[str, Any] = {}
+
+    def with_options(self, options: Mapping[str, str]) -> AiterUnified:
+        """``aiter=<path or name>``, ``arch=gfx942|gfx950``."""
+        return AiterUnified(self.shuffled, options)
+
+    def availability(self) -> Availability:
+        """Needs an AITER tree with Triton ``unified_attention`` (and ``shuffled_kv_cache``
+        for the shuffled views), and a GPU or the Triton interpreter."""
+        if self.source is None:
+            return Availability(False, self.source_error)
+        if self.source.find(*KERNEL_FILES) is None:
+            return Availability(False, f"AITER {self.source.version} at {self.source.package} "
+                                f"has no {' or '.join(KERNEL_FILES)}")
+        if self.shuffled and "shuffled_kv_cache" not in self._kernel_source():
+            return Availability(False, f"AITER {self.source.version}'s unified_attention has "
+                                "no shuffled_kv_cache (AITER v0.1.16 on)")
+        if devices.visible_gpu_count() == 0 and not devices.interpreted():
+            return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets "
+                                "it for --device cpu before Triton is imported)")
+        if devices.visible_gpu_count() and devices.gpu_vendor() != "amd" and (
+                not devices.interpreted()):
+            return Availability(False, "AITER's Triton unified_attention targets AMD GPUs: it "
+                                "asks Triton for a gfx arch and uses AMD-only launch options "
+                                "(waves_per_eu); this GPU is not AMD")
+        return Availability(True)
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """bf16 and fp8 queries under the interpreter (F1, F12); fp8 queries on releases
+        without ``q_descale``; fp8 formats that are not the arch's AITER fp8 type; mixed
+        16/32-bit dtypes (no cast of 16/32-bit K/V); fp8 queries on shuffled page-16 views."""
+        if device.type == "cpu" and case.query_dtype == "bfloat16":
+            return INTERPRETER_BF16_FINDING
+        if case.is_fp8:
+            arch = self._answers(case).arch if device.type == "cpu" else "this GPU's arch"
+            fp8 = self._fp8_type(case, device)
+            if torch_dtype(case.kv_dtype) != fp8:
+                return (f"{case.kv_dtype}: AITER's fp8 type on {arch} is {fp8} "
+                        "(aiter.ops.triton.utils.types.e4m3_dtype: e4m3fnuz on gfx942, "
+                        "e4m3fn on gfx950); the kernel asserts or misreads other formats")
+        if case.q_scale:
+            if device.type == "cpu":
+                return INTERPRETER_FP8_QUERY_FINDING
+            if "q_descale_ptr" not in self._kernel_source():
+                return (f"fp8 queries: AITER {self._version()}'s unified_attention asserts "
+                        "q_descale is None (q descale from v0.1.16)")
+            if self.shuffled:
+                return ("fp8 queries on shuffled fp8 views: AITER asserts block_size >= 32 "
+                        "for A8W8 with a pre-shuffled cache; these views have 16-token pages")
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return (f"AITER's unified_attention converts only fp8 K/V to the query dtype: a "
+                    f"{case.kv_dtype} cache needs {case.kv_dtype} queries (tl.dot rejects "
+                    f"{case.query_dtype} x {case.kv_dtype})")
+        return None
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """K/V dequantised to (or converted into) the query dtype, P in it; fp8 queries: q,
+        K, V and P in fp8, the output in the query dtype."""
+        if case.q_scale:
+            return Precision(case.kv_dtype, case.kv_dtype, case.query_dtype)
+        return triton_precision(case, device)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """The 2-D kernel writes 0 on rows with no context; the 3-D kernel's reduction
+        divides its segments' empty sums (undefined)."""
+        units = COMPUTE_UNITS[self._answers(case).arch]
+        return EmptyRowOutput.ZERO if kernel_path(case, units) == "2D" else (
+            EmptyRowOutput.UNDEFINED)
+
+    def versions(self) -> dict[str, str]:
+        """AITER's version and where it came from, Triton's, and what was answered on
+        AITER's behalf without a GPU."""
+        import triton
+
+        versions = {"triton": triton.__version__,
+                    "triton_interpret": str(devices.interpreted())}
+        if self.source is None:
+            return versions
+        versions |= {"amd-aiter": self.source.version, "aiter_path": str(self.source.package),
+                     "aiter_origin": self.source.origin,
+                     "aiter_loading": "Triton ops modules executed from the tree under a "
+                     "private name; aiter/__init__ and package re-exports skipped"}
+        if devices.interpreted():
+            arch = self.arch or "per case: gfx942 for float8_e4m3fnuz, else gfx950"
+            versions["aiter_answered"] = (
+                f"arch {arch} (Triton's active driver reports hip/<arch>, warp 64); "
+                f"get_num_sms() -> {', '.join(f'{a}: {n}' for a, n in COMPUTE_UNITS.items())}")
+        return versions
+
+    def _version(self) -> str:
+        return self.source.version if self.source else "unknown"
+
+    def _answers(self, case: Case) -> DeviceAnswers:
+        """What the CPU run tells AITER about the device for ``case``."""
+        return DeviceAnswers.for_arch(self.arch or case_arch(case))
+
+    def _kernel_source(self) -> str:
+        """The text of the tree's ``unified_attention`` host file."""
+        source = self._require_source()
+        path = source.find(*KERNEL_FILES)
+        return path.read_text() if path else ""
+
+    def _require_source(self) -> AiterSource:
+        if self.source is None:
+            raise RuntimeError(self.source_error)
+        return self.source
+
+    def _module(self, file: tuple[str, ...], answers: DeviceAnswers | None) -> Any:
+        """One of the tree's modules, loaded once per answers (``None`` on a GPU)."""
+        key = f"{file[0]}@{answers.arch if answers else 'gpu'}"
+        if key not in self._modules:
+            source = self._require_source()
+            path = source.find(*file)
+            if path is None:
+                raise RuntimeError(f"AITER {source.version} has no {' or '.join(file)}")
+            self._modules[key] = source.load(path, answers)
+        return self._modules[key]
+
+    def _fp8_type(self, case: Case, device: torch.device) -> torch.dtype:
+        """AITER's ``e4m3_dtype`` for ``case`` here."""
+        answers = self._answers(case) if device.type == "cpu" else None
+        return self._module(TYPES_FILES, answers).e4m3_dtype
+
+    def kernel(self, case: Case, device: torch.device) -> Callable[..., Any]:
+        """The tree's ``unified_attention`` as loaded for ``case`` on ``device``."""
+        answers = self._answers(case) if device.type == "cpu" else None
+        return self._module(KERNEL_FILES, answers).unified_attention
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """One ``unified_attention`` call over all query rows."""
+        case = inputs.case
+        device = inputs.device
+        answers = self._answers(case) if device.type == "cpu" else None
+        unified_attention = self.kernel(case, device)
+        views = inputs.cache(self.in_page_orders[0])
+        table, ctx = inputs.sparse_table
+        seqs = kernel_sequences(case)
+        last = devices.to_device(
+            torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long), table.device)
+        lengths = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32)
+        query = inputs.data.query
+        if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs.py)
+            query = (query / case.q_scale).to(torch_dtype(case.kv_dtype))
+        out = inputs.output(torch_dtype(case.query_dtype))
+        k_scale, v_scale = inputs.scales()
+        fp8 = case.is_fp8
+        arguments: dict[str, Any] = dict(
+            q=query, k=views.k, v=views.v, out=out,
+            cu_seqlens_q=devices.to_device(lengths.cumsum(0, dtype=torch.int32), device),
+            max_seqlen_q=max(n for _, n in seqs),
+            seqused_k=ctx[last],
+            max_seqlen_k=max_seqlen_k(case),
+            softmax_scale=case.softmax_scale,
+            causal=True,
+            window_size=(case.sliding_window - 1, 0) if case.sliding_window else (-1, -1),
+            block_table=table[last],
+            softcap=case.softcap,
+            q_descale=(devices.to_device(torch.tensor([case.q_scale], dtype=torch.float32),
+                                         device) if case.q_scale else None),
+            k_descale=k_scale.reshape(1) if fp8 else None,
+            v_descale=v_scale.reshape(1) if fp8 else None,
+        )
+        if self.shuffled:
+            arguments["shuffled_kv_cache"] = True
+        parameters = inspect.signature(unified_attention).parameters
+        missing = sorted(set(arguments) - set(parameters))
+        if missing:
+            raise RuntimeError(f"AITER {self._version()}'s unified_attention takes no "
+                               f"{', '.join(missing)}")
+        with answering(answers):
+            result = unified_attention(**arguments)
+        # Releases whose single-segment 3-D path writes `out` in place return it too.
+        return out if result is None else result
+
+
+def default_backends() -> list[AiterUnified]:
+    """The registered names: ``aiter-unified`` and ``aiter-unified@shuffled``."""
+    return [AiterUnified(), AiterUnified(shuffled=True)]
