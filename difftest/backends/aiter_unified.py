@@ -26,6 +26,7 @@ Native on a ROCm GPU; on the CPU under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -54,6 +55,7 @@ KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
                 "ops/triton/unified_attention.py")
 TYPES_FILES = ("ops/triton/utils/types.py",)
 MAX_2D_SEQLEN_K = 512  # AITER: max_seqlen_k <= 512 always takes the 2-D kernel
+_KV_DTYPE_ASSERT = re.compile(r"^\s*assert kv_cache_dtype in \(([^)]*)\)", re.M)
 
 
 def case_arch(case: Case) -> str:
@@ -144,6 +146,11 @@ class AiterUnified:
             if self.shuffled:
                 return ("fp8 queries on shuffled fp8 views: AITER asserts block_size >= 32 "
                         "for A8W8 with a pre-shuffled cache; these views have 16-token pages")
+        allowed = self._kv_dtypes_3d()
+        if allowed is not None and not case.is_fp8 and case.kv_dtype not in allowed and (
+                kernel_path(case, self._compute_units(case, device)) == "3D"):
+            return (f"{case.kv_dtype} KV on the 3-D kernel: AITER {self._version()}'s "
+                    f"select_3d_config asserts kv_cache_dtype in ({', '.join(allowed)}, fp8)")
         if not case.is_fp8 and case.query_dtype != case.kv_dtype:
             return (f"AITER's unified_attention converts only fp8 K/V to the query dtype: a "
                     f"{case.kv_dtype} cache needs {case.kv_dtype} queries (tl.dot rejects "
@@ -183,6 +190,21 @@ class AiterUnified:
                 f"arch {arch} (Triton's active driver reports hip/<arch>, warp 64); "
                 f"get_num_sms() -> {', '.join(f'{a}: {n}' for a, n in COMPUTE_UNITS.items())}")
         return versions
+
+    def _kv_dtypes_3d(self) -> tuple[str, ...] | None:
+        """The 16-bit KV dtypes the release's 3-D config asserts (the last such assertion:
+        the CDNA branch where there are several), ``None`` without one."""
+        found = _KV_DTYPE_ASSERT.findall(self._kernel_source())
+        if not found:
+            return None
+        names = re.findall(r"torch\.(float16|bfloat16)\b", found[-1])
+        return tuple(names)
+
+    def _compute_units(self, case: Case, device: torch.device) -> int:
+        """The CU count AITER sees: the answered one on the CPU, the GPU's otherwise."""
+        if device.type == "cpu":
+            return self._answers(case).compute_units
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def _version(self) -> str:
         return self.source.version if self.source else "unknown"
