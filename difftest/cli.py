@@ -272,7 +272,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
     from difftest.fingerprint import fingerprint
     from difftest.jobs import run_jobs
     from difftest.replay import report_previous_crashes
-    from difftest.report import build_report, case_records, summary, write_report
+    from difftest.report import build_report, summary, write_report
 
     earlier = report_previous_crashes(args.artifacts, "difftest run")
     options = [f"--device={args.device}", f"--reference={args.reference}",

@@ -1,0 +1,197 @@
+"""``aiter-unified``: AITER's Triton ``unified_attention``, loaded without ROCm, and its bugs.
+
+What CI can run comes from the PyPI wheel that ``scripts/setup.sh`` unpacks into
+``<venv>/difftest-aiter``; the shuffled views need an AITER tree from v0.1.16 on
+(``scripts/fetch_aiter.sh v0.1.16``), and those tests skip with that reason without one.
+F21 and F22 are reproduced by calling AITER's function directly on a few hand-made tensors,
+outside the adapter.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from difftest import devices
+from difftest.backends.aiter_triton import (
+    DeviceAnswers,
+    SourceError,
+    answering,
+    chosen_source,
+    resolve,
+)
+from difftest.backends.aiter_unified import AiterUnified, kernel_path
+from difftest.backends.torch_ref import TorchReference
+from difftest.case import Case
+from difftest.cases.corpus import load_corpus
+from difftest.runner import Status, run_case
+
+WHEEL, WHEEL_MISSING = chosen_source(None)
+needs_aiter = pytest.mark.skipif(WHEEL is None, reason=WHEEL_MISSING or "no AITER")
+on_cpu = pytest.mark.skipif(not devices.interpreted(),
+                            reason="runs AITER's kernels under TRITON_INTERPRET=1 with the "
+                            "device answers; on a GPU the suite's backends run them natively")
+CORPUS = {c.name: c for c in load_corpus()}
+SMALL = Case(num_blocks=8, seq_lens=(200,), block_tables=((3, 5),), selections=((0, 1),),
+             num_q_heads=2, seed=5)
+
+
+def tree_from(tag: str) -> Any:
+    """An AITER tree of ``tag`` fetched by scripts/fetch_aiter.sh, or a skip naming it."""
+    try:
+        return resolve(tag)
+    except SourceError as exc:
+        pytest.skip(f"{exc} (CI has only PyPI's wheel, which predates shuffled_kv_cache)")
+
+
+def ran_3d(backend: AiterUnified, case: Case, monkeypatch) -> bool:
+    """Run ``case`` and say whether AITER launched its 3-D kernel."""
+    module = sys.modules[backend.kernel(case, torch.device("cpu")).__module__]
+    launched: list[str] = []
+    original = module.kernel_unified_attention_3d
+
+    class Recording:
+        def __getitem__(self, grid: Any) -> Any:
+            launched.append("3D")
+            return original[grid]
+
+    monkeypatch.setattr(module, "kernel_unified_attention_3d", Recording())
+    result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.AGREE, result.results[0].detail
+    return bool(launched)
+
+
+@needs_aiter
+@on_cpu
+def test_loads_without_rocm_and_says_what_was_answered() -> None:
+    backend = AiterUnified()
+    assert backend.availability().available, backend.availability().reason
+    versions = backend.versions()
+    assert versions["amd-aiter"] == WHEEL.version
+    assert "hip/<arch>" in versions["aiter_answered"]
+    assert "gfx942: 304" in versions["aiter_answered"]
+    kernel = backend.kernel(SMALL, torch.device("cpu"))
+    assert kernel.__module__.startswith("_difftest_aiter_")
+    assert "aiter" not in sys.modules or not hasattr(sys.modules["aiter"], "__file__") or (
+        "difftest-aiter" not in str(sys.modules["aiter"].__file__))  # never shadows AITER
+
+
+@needs_aiter
+@on_cpu
+def test_the_answered_arch_sets_aiters_fp8_type() -> None:
+    backend = AiterUnified()
+    cpu = torch.device("cpu")
+    fnuz = SMALL.replace(kv_dtype="float8_e4m3fnuz")
+    fn = SMALL.replace(kv_dtype="float8_e4m3fn")
+    assert backend._fp8_type(fnuz, cpu) == torch.float8_e4m3fnuz
+    assert backend._fp8_type(fn, cpu) == torch.float8_e4m3fn
+    pinned = backend.with_options({"arch": "gfx942"})
+    assert pinned.name == "aiter-unified[arch=gfx942]"
+    assert "e4m3fnuz on gfx942" in (pinned.unsupported_reason(fn, cpu) or "")
+
+
+@needs_aiter
+@on_cpu
+def test_agrees_on_the_lbhnc_views_both_fp8_formats() -> None:
+    backend = AiterUnified()
+    for case in (CORPUS["lbhnc-128-blocks-2048-2040-page-2039"],
+                 CORPUS["padded-request-and-empty-selection-fnuz"]):
+        result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
+        assert result.results[0].status is Status.AGREE, (case.name, result.results[0].detail)
+
+
+@needs_aiter
+@on_cpu
+def test_both_kernel_paths_run_and_agree(monkeypatch) -> None:
+    backend = AiterUnified()
+    short = SMALL  # max_seqlen_k = 2 * 128 <= 512: the 2-D kernel
+    long = SMALL.replace(num_blocks=8, seq_lens=(600,), block_tables=((3, 5, 6, 7, 1),),
+                         selections=((0, 1, 2, 3, 4),))  # 640 > 512: the 3-D kernel
+    assert (kernel_path(short, 256), kernel_path(long, 256)) == ("2D", "3D")
+    assert not ran_3d(backend, short, monkeypatch)
+    assert ran_3d(backend, long, monkeypatch)
+
+
+@needs_aiter
+def test_a_bad_source_is_an_error_naming_where_it_looked(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DIFFTEST_AITER_ROOT", str(tmp_path))
+    with pytest.raises(SourceError, match=r"aiter=v9\.9\.9: no AITER package .*fetch_aiter"):
+        AiterUnified().with_options({"aiter": "v9.9.9"})
+    with pytest.raises(ValueError, match=r"arch='gfx90a' is not one of gfx942, gfx950"):
+        AiterUnified().with_options({"arch": "gfx90a"})
+    shuffled = AiterUnified(shuffled=True)
+    if "shuffled_kv_cache" not in shuffled._kernel_source():
+        reason = shuffled.availability().reason
+        assert "no shuffled_kv_cache (AITER v0.1.16 on)" in reason
+
+
+@on_cpu
+def test_shuffled_views_agree_on_a_tree_that_has_them() -> None:
+    tree = tree_from("v0.1.16")
+    backend = AiterUnified(shuffled=True, options={"aiter": "v0.1.16"})
+    assert backend.availability().available, backend.availability().reason
+    for case in (CORPUS["lbhnc-128-blocks-2048-2040-page-2039"],  # [2048,1,8,16,16] / [2040,...]
+                 CORPUS["lbhnc-512-blocks-8192-8184-mtp4"]):
+        result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
+        assert result.results[0].status is Status.AGREE, (tree.version, case.name,
+                                                          result.results[0].detail)
+
+
+def direct_call(source: Any, softcap: float = 0.0, window: int = 0,
+                nan_before_window: bool = False) -> torch.Tensor:
+    """AITER's ``unified_attention`` on one 16-token page, one head of 64, fp16, called
+    directly (no adapter): the output row."""
+    answers = DeviceAnswers.for_arch("gfx950")
+    path = source.find("ops/triton/attention/unified_attention.py",
+                       "ops/triton/unified_attention.py")
+    unified_attention = source.load(path, answers).unified_attention
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 64, generator=generator).half()
+    k = torch.randn(1, 16, 1, 64, generator=generator).half()
+    v = torch.randn(1, 16, 1, 64, generator=generator).half()
+    if nan_before_window:
+        v[0, : 16 - window] = float("nan")  # slots the window excludes: never attended
+    out = torch.zeros(1, 1, 64, dtype=torch.float16)
+    with answering(answers):
+        unified_attention(
+            q=q, k=k, v=v, out=out, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+            max_seqlen_q=1, seqused_k=torch.tensor([16], dtype=torch.int32), max_seqlen_k=16,
+            softmax_scale=1.0, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+            block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=softcap,
+            q_descale=None, k_descale=None, v_descale=None)
+    return out[0, 0]
+
+
+@needs_aiter
+@on_cpu
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning",
+                            "ignore:divide by zero encountered:RuntimeWarning")
+def test_f21_softcap_turns_large_logit_ratios_into_nan() -> None:
+    """|s| reaches ~16 here, so |s / 0.01| passes 88 and e^(s/x) overflows; softcap 50
+    keeps it finite."""
+    assert direct_call(WHEEL, softcap=0.01).isnan().all()
+    assert direct_call(WHEEL, softcap=50.0).isfinite().all()
+
+
+@needs_aiter
+@on_cpu
+def test_f22_nan_v_slots_before_the_window_poison_the_row() -> None:
+    """A window of 4 over a 16-token page: slots 0..11 are never attended, yet NaN there
+    makes the output NaN; with finite values there the output is finite."""
+    assert direct_call(WHEEL, window=4, nan_before_window=True).isnan().all()
+    assert direct_call(WHEEL, window=4).isfinite().all()
+
+
+@on_cpu
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning",
+                            "ignore:divide by zero encountered:RuntimeWarning")
+def test_f21_f22_are_still_in_the_newest_tag() -> None:
+    tree = tree_from("v0.1.20.post1")
+    assert direct_call(tree, softcap=0.01).isnan().all()
+    assert direct_call(tree, window=4, nan_before_window=True).isnan().all()
