@@ -1,0 +1,86 @@
+"""Known bugs: a disagreement an expectation explains is reported apart from new failures,
+and an expected bug that no longer shows fails the run (difftest/expectations.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from difftest import expectations
+from difftest.compare import Comparison
+from difftest.records import CaseRecord, ResultRecord, Status
+
+ENTRY = {"finding": "F99", "summary": "NaN with a small softcap", "backends": ["kern"],
+         "releases": "amd-aiter <=0.1.20.post1",
+         "when": {"softcap": {"min": 1e-30, "max": 0.01}}, "nonfinite": True}
+
+
+def write(tmp_path: Path, *entries: dict) -> Path:
+    path = tmp_path / "expectations.json"
+    path.write_text(json.dumps({"expectations": list(entries)}))
+    return path
+
+
+def comparison(nonfinite: int) -> Comparison:
+    return Comparison(backend="kern", agrees=False, checked=8, mismatched=8,
+                      nonfinite=nonfinite, max_abs_error=1.0, max_ratio=9.0, empty_rows=0,
+                      empty_row_policy="zero", empty_row_violations=0, tolerance="t",
+                      worst=())
+
+
+def record(softcap: float, status: Status, version: str = "0.1.16", nonfinite: int = 8,
+           backend: str = "kern") -> CaseRecord:
+    result = ResultRecord(backend, status, versions={"amd-aiter": version},
+                          comparison=comparison(nonfinite) if status is Status.DISAGREE
+                          else None)
+    return CaseRecord(case_id=f"{softcap}-{status.value}-{version}", name="", case={
+        "softcap": softcap}, features={}, reference="torch-ref", results=[result])
+
+
+def test_a_matching_disagreement_is_a_known_bug_not_a_new_failure(tmp_path: Path) -> None:
+    known = expectations.load(write(tmp_path, ENTRY))
+    judgement = expectations.judge([record(0.01, Status.DISAGREE),
+                                    record(0.005, Status.DISAGREE, backend="kern[aiter=x]"),
+                                    record(30.0, Status.AGREE)], known)
+    assert not judgement.failed and not judgement.new
+    assert len(judgement.known["F99"]) == 2
+    assert judgement.lines()[0].startswith("KNOWN BUG F99: 2 disagreement(s) on kern, kern[")
+
+
+@pytest.mark.parametrize("case", [
+    record(0.5, Status.DISAGREE),                  # outside the condition
+    record(0.01, Status.DISAGREE, version="0.1.21"),  # a release not listed
+    record(0.01, Status.DISAGREE, nonfinite=0),    # another symptom
+    record(0.01, Status.ERROR),                    # an error is never a known bug
+    record(0.01, Status.DISAGREE, backend="other"),
+], ids=["condition", "release", "symptom", "error", "backend"])
+def test_anything_else_stays_a_new_failure(tmp_path: Path, case: CaseRecord) -> None:
+    judgement = expectations.judge([case], expectations.load(write(tmp_path, ENTRY)))
+    assert judgement.failed and judgement.new == [(case, case.results[0])]
+
+
+def test_an_expected_bug_that_no_longer_shows_fails_the_run(tmp_path: Path) -> None:
+    judgement = expectations.judge([record(0.01, Status.AGREE)],
+                                   expectations.load(write(tmp_path, ENTRY)))
+    assert judgement.failed and judgement.unseen == {"F99": 1}
+    assert "EXPECTED BUG NOT SEEN F99: 1 result(s)" in judgement.lines()[0]
+    untouched = expectations.judge([record(30.0, Status.AGREE)],
+                                   expectations.load(write(tmp_path, ENTRY)))
+    assert not untouched.failed  # no case met the condition: nothing to say
+
+
+def test_a_malformed_entry_names_its_field(tmp_path: Path) -> None:
+    with pytest.raises(expectations.ExpectationError, match=r"expectations\[0\]: missing "
+                       r"field 'releases'"):
+        expectations.load(write(tmp_path, {k: v for k, v in ENTRY.items() if k != "releases"}))
+    with pytest.raises(expectations.ExpectationError, match=r"expectations\[0\]\.when\.softcap"):
+        expectations.load(write(tmp_path, ENTRY | {"when": {"softcap": {"above": 1}}}))
+
+
+def test_the_checkouts_file_reads() -> None:
+    known = expectations.load(expectations.DEFAULT_FILE)
+    assert {e.finding for e in known} >= {"F21", "F22"}
+    for expectation in known:
+        assert expectation.backends and str(expectation.releases)
