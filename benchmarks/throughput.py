@@ -58,16 +58,15 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks import device_busy
-from difftest.backend import Backend, RunInputs
 from difftest.case import Case
-from difftest.runner import prepare_host
+from difftest.runner import RunHooks, prepare_host
 from difftest.session import Session
 
 FRAMEWORK_STAGES = ("generate", "cache:plain", "cache:shuffled", "compare")
@@ -181,27 +180,16 @@ class LaunchTimer:
         return item
 
 
-class TimedBackend:
-    """A backend whose ``run`` (and ``reference``) the :class:`LaunchTimer` attributes."""
+class TimerHooks(RunHooks):
+    """Runner hooks that attribute each reference and backend call to its stage of the
+    :class:`LaunchTimer`."""
 
-    def __init__(self, inner: Backend, timer: LaunchTimer) -> None:
-        self.inner = inner
+    def __init__(self, timer: LaunchTimer) -> None:
         self.timer = timer
-        self.name = inner.name
-        self.in_page_orders = inner.in_page_orders
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.inner, attr)
-
-    def run(self, inputs: RunInputs) -> torch.Tensor:
-        """The wrapped backend's output, timed."""
-        with self.timer.stage_of(self.name):
-            return self.inner.run(inputs)
-
-    def reference(self, inputs: RunInputs) -> Any:
-        """The wrapped reference, timed as the ``reference`` stage."""
-        with self.timer.stage_of("reference"):
-            return self.inner.reference(inputs)  # type: ignore[attr-defined]
+    def calling(self, case: Case, backend: str, stage: str) -> AbstractContextManager[None]:
+        """The call, timed as ``stage`` (``reference`` or the backend's name)."""
+        return self.timer.stage_of(stage)
 
 
 def profile_case(session: Session, case: Case, top: int) -> None:
@@ -245,9 +233,8 @@ def main() -> None:
                      f"{session.device.type}); leave it out on the CPU")
     timer = LaunchTimer(session.device)
     timer.install()
-    plain = session.reference, session.backends
-    session.reference = TimedBackend(session.reference, timer)  # type: ignore[assignment]
-    session.backends = [TimedBackend(b, timer) for b in session.backends]
+    hooks = TimerHooks(timer)
+    session.hooks.append(hooks)
     q_dtype = args.query_dtype or ("bfloat16" if session.device.type == "cuda" else "float16")
     make = ((lambda s: production_case(s, query_dtype=q_dtype)) if args.shape == "production"
             else (lambda s: small_case(s, q_dtype)))
@@ -285,7 +272,7 @@ def main() -> None:
     median = {stage: statistics.median(values) for stage, values in stages.items()}
     print_table(args, session, q_dtype, mean, median, walls)
     timer.active = False
-    session.reference, session.backends = plain
+    session.hooks.remove(hooks)
     print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
     if args.device_busy:
         seeds = range(args.cases + 2, args.cases + 2 + args.device_busy)

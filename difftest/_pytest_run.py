@@ -51,7 +51,7 @@ from difftest.fingerprint import fingerprint
 from difftest.jsonfile import dumps, loads
 from difftest.records import CaseRecord
 from difftest.registry import split_names
-from difftest.report import build_report, summary, write_report
+from difftest.report import Report, summary, unique_cases, write_report
 from difftest.runner import CaseResult
 from difftest.session import DEFAULT_REFERENCE, Session
 from difftest.shard import Shard, ShardError, shard_of
@@ -459,18 +459,15 @@ class DifftestRun:
         profile = self.profile or settings.get_current_profile_name()
         self.report = assemble_report(lines, {
             "runner": "pytest", "shard": str(self.shard) if self.shard else None,
-            "hypothesis_profile": profile}, xdist=self.role == "controller")
-        if self.earlier_crashes:
-            self.report["earlier_crashes"] = [c.to_dict() for c in self.earlier_crashes]
-        self.report["config"]["audit"] = audit_json(self.report["cases"], self._tested())
+            "hypothesis_profile": profile}, xdist=self.role == "controller",
+            earlier_crashes=self.earlier_crashes).to_dict()
         if path:
             write_report(path, self.report)
 
     def _tested(self) -> list[str]:
         """The report's backends under test (every backend but the reference)."""
         assert self.report is not None
-        return [name for name in self.report["backends"]
-                if name != self.report["config"].get("reference")]
+        return _tested(self.report["backends"], self.report["config"])
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Agreement matrix, cases per backend, worst cases, failures and crashes."""
@@ -491,9 +488,14 @@ class DifftestRun:
             terminalreporter.write_line(f"difftest report: {path}")
 
 
+def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+    """A report's backends under test (every backend but the reference)."""
+    return [name for name in backends if name != config.get("reference")]
+
+
 def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
-                    xdist: bool) -> dict[str, Any]:
-    """The report of a pytest run from its processes' run-log lines."""
+                    xdist: bool, earlier_crashes: list[CaseRecord] | None = None) -> Report:
+    """The report of a pytest run from its processes' run-log lines, its audit included."""
     sessions = sorted((line for line in lines if line["kind"] == "session"),
                       key=lambda line: line["writer"])
     discarded = {(line["nodeid"], case_id) for line in lines if line["kind"] == "discard"
@@ -523,7 +525,10 @@ def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
             if record.pytest and record.pytest.worker in workers:
                 workers[record.pytest.worker]["cases"] += 1
     environment = sessions[0]["fingerprint"] if sessions else fingerprint()
-    return build_report(records, backends, config, environment, workers)
+    records = unique_cases(records)
+    return Report(environment, config, backends, records,
+                  audit_json(records, _tested(backends, config)), workers,
+                  list(earlier_crashes or []))
 
 
 class XdistController:

@@ -130,8 +130,8 @@ def serves_as_reference(backend: Backend) -> TypeGuard[ReferenceBackend]:
     """Whether ``backend`` has ``reference()``, looked up dynamically.
 
     Not ``isinstance(backend, ReferenceBackend)``: from Python 3.12 a runtime-checkable
-    protocol reads attributes statically (``inspect.getattr_static``), so the registry's and
-    the session's wrappers, which delegate through ``__getattr__``, would never match.
+    protocol reads attributes statically (``inspect.getattr_static``), so the registry's guard,
+    which delegates through ``__getattr__``, would never match.
     """
     return callable(getattr(backend, "reference", None))
 

@@ -1,10 +1,11 @@
-"""The ``difftest`` command line.
+"""The difftest command line: cross-backend differential testing of attention kernels.
 
-``backends`` lists what this machine can run; ``run`` runs the corpus plus a deterministic
-generated case set (``--shard K/N`` runs one part of it); ``repro`` replays one case from a
-failure directory or case file and checks it against the recording; ``promote`` pins a case
-into the corpus; ``merge`` joins shard reports; ``gate`` compares a candidate report with a
-baseline; ``plot`` draws a report.
+backends  lists what this machine can run, and why a backend cannot
+run       runs the pinned corpus plus a deterministic generated case set, ends in its verdict
+repro     replays one case from a failure directory or case file, against its recording
+promote   pins a case into the regression corpus
+merge     joins shard reports; gate compares a candidate report with a baseline
+audit     prints a report's parameter audit; plot draws a report
 """
 
 from __future__ import annotations
@@ -12,21 +13,42 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from difftest import pinning
 from difftest.artifacts import DEFAULT_ROOT, repro_command
 from difftest.devices import DEVICE_CHOICES
 from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
 from difftest.registry import RegistryError, split_names
 
 if TYPE_CHECKING:
-    from difftest.case import Case
+    from difftest.expectations import Judgement
+    from difftest.runner import CaseResult
 
 EXIT_UNREADABLE = 2
+EXIT_CODES = """exit status: 0 everything agreed (or the command succeeded); 1 a backend disagreed,
+errored or crashed, or the gate failed; 2 the command could not run (bad arguments,
+unknown backend, unreadable file), the message names what was wrong"""
+BACKEND_SYNTAX = """backend names: comma-separated, as `difftest backends` lists them; a
+backend that takes options is configured in its name, name@variant[key=value,...], e.g.
+aiter-gluon@emulated[k_trim=off,revision=v0.1.20] (commas inside [...] stay with it)"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help as written (line breaks kept), each option's default shown where it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or default == argparse.SUPPRESS \
+                or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def _count(text: str) -> int:
@@ -88,16 +110,14 @@ def _jobs(text: str) -> int:
 
 
 def _job_count(jobs: int, device: str) -> int:
-    """``--jobs`` on ``device``: ``auto`` is one per core on the CPU, one on a GPU; more
-    than one on a GPU is refused."""
-    from difftest.jobs import auto_jobs
+    """``--jobs`` for the ``--device`` choice: ``auto`` is one job per visible GPU (each
+    pinned to its own, :func:`difftest.jobs.job_environments`) unless ``--device cpu``,
+    else one per core (:func:`difftest.jobs.auto_jobs`)."""
+    from difftest.jobs import auto_jobs, visible_gpus
 
-    if jobs == 0:
-        return auto_jobs() if device == "cpu" else 1
-    if jobs > 1 and device != "cpu":
-        raise UsageError(f"--jobs {jobs}: jobs split a CPU run (one core each); with a GPU "
-                         "allowed 1 or auto (one process per GPU: pytest -n, --shard)")
-    return jobs
+    if jobs:
+        return jobs
+    return (0 if device == "cpu" else visible_gpus()) or auto_jobs()
 
 
 def _backend_names(text: str) -> list[str]:
@@ -136,39 +156,62 @@ def _add_session_options(parser: argparse.ArgumentParser) -> None:
                         help="load extra backends (repeatable)")
     parser.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                         help="where kernels run (auto: a GPU if one is visible)")
-    parser.add_argument("--reference", default="torch-ref", help="the reference backend")
+    parser.add_argument("--reference", default="torch-ref",
+                        help="the backend every other one is compared with")
     parser.add_argument("--artifacts", default=DEFAULT_ROOT, type=_directory,
                         help="directory for pending cases and failure artifacts")
 
 
 class Progress:
-    """A one-line progress bar on stderr (one line per case when stderr is not a terminal);
-    without a total (a job of ``--jobs``), a count."""
+    """Progress on stderr, each line naming every backend's status on the case just run: one
+    line rewritten in place on a terminal; elsewhere (CI logs) a line every tenth of the
+    cases and one for every failing case, so a log stays short."""
 
-    def __init__(self, total: int | None) -> None:
+    def __init__(self, total: int, share: int = 1) -> None:
         self.total = total
         self.done = 0
         self.start = time.perf_counter()
         self.tty = sys.stderr.isatty()
+        # a job of --jobs (one of ``share``) prints its tenth of the lines
+        self.every = max(1, math.ceil(total * max(share, 1) / 10 / max(share, 1) ** 2))
 
-    def step(self, label: str) -> None:
+    def step(self, result: CaseResult) -> None:
         """Advance by one case."""
         self.done += 1
-        width = 30
         rate = self.done / max(time.perf_counter() - self.start, 1e-9)
-        if self.total is None:  # a job of --jobs: how many it ran, of a set the jobs share
-            line = f"{self.done} cases {rate:.2f} cases/s  {label}"
-        else:
-            filled = width * self.done // max(self.total, 1)
-            line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                    f"{rate:.2f} cases/s  {label}")
+        by_status: dict[str, list[str]] = {}
+        for r in result.results:
+            by_status.setdefault(r.status.value, []).append(r.backend)
+        statuses = "; ".join(f"{status} {', '.join(names)}" for status, names in by_status.items())
+        case = result.case
+        name = f" {case.name}" if case.name else ""
+        line = f"{self.done}/{self.total} {rate:.2f} cases/s  {case.case_id}{name}: {statuses}"
         if self.tty:
-            sys.stderr.write("\r" + line[:150].ljust(150))
-            if self.done == self.total:
+            sys.stderr.write("\r\033[K" + line[:shutil.get_terminal_size().columns - 1])
+            if self.done == self.total or result.failed:
                 sys.stderr.write("\n")
-        else:
+        elif result.failed or self.done % self.every == 0 or self.done == self.total:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
+
+
+FULL_FAILURES = 3  # failing cases whose message is printed in full as they happen
+
+
+def _print_failure(result: CaseResult, plugins: tuple[str, ...], shown: int) -> int:
+    """Print a failing case's messages (diagnosis included) and its replay command; after
+    :data:`FULL_FAILURES` cases only the progress line and the summary name them. Returns the
+    count of cases printed in full."""
+    if shown >= FULL_FAILURES:
+        return shown
+    for message in result.failure_messages():
+        print(message, file=sys.stderr)
+    if result.artifact:
+        print(f"  replay: {repro_command(result.artifact, plugins)}", file=sys.stderr)
+    if shown + 1 == FULL_FAILURES:
+        print("(further failures: one line each in the summary; each one's message and replay "
+              "command in its failure directory and the report)", file=sys.stderr)
+    return shown + 1
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -187,14 +230,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
-    from difftest import devices
-    from difftest.audit import audit_json, audit_lines
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.generate import generated_cases
-    from difftest.jobs import claimed
+    from difftest.plan import RunPlan, execute, session_report
     from difftest.replay import report_previous_crashes
-    from difftest.report import build_report, summary, write_report
+    from difftest.report import write_report
     from difftest.session import Session
     from difftest.shard import Shard, ShardError
 
@@ -205,7 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     if job is None:
-        args.jobs = _job_count(args.jobs, devices.resolve(_device(args.device)))
+        args.jobs = _job_count(args.jobs, args.device)
         if args.jobs > 1:
             return _run_jobs(args)
     session = Session.create(args.backends, args.plugin, _device(args.device),
@@ -213,67 +254,84 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the parent of --jobs turns earlier runs' pending cases into crashes, not each job
     earlier = [] if job else report_previous_crashes(args.artifacts, "difftest run")
     capabilities = Capabilities.probe(session.backends, session.device)
-    runs: list[tuple[Case, tuple[str, ...] | None]] = [
-        (case, None) for case in ([] if args.no_corpus else load_corpus())]
-    runs += [(fitted.case, fitted.backends) for fitted in capabilities.fit_all(
-        generated_cases(args.examples, args.seed, capabilities.strategy()))]
-    if shard is not None:
-        runs = [(case, names) for case, names in runs if shard.contains(case)]
-    # a job of --jobs runs the cases it claims first (the others take the rest)
-    mine = runs if job is None else claimed(runs, Path(args.claims))
-    progress = Progress(len(runs) if job is None else None)
-    # On a GPU a worker process prepares the next cases' host-side inputs (Session.run_all);
-    # on the CPU it would compete with the interpreted kernels for the cores.
-    results = (zip(runs, session.run_all(runs), strict=True) if session.device.type == "cuda"
-               else ((run, session.run(*run)) for run in mine))
-    for (case, _), result in results:
-        statuses = [r.status.value for r in result.results]
-        progress.step(f"{case.case_id} {case.name or ''} {','.join(statuses)}")
-        for message in result.failure_messages():
-            print(message, file=sys.stderr)
-            if result.artifact:
-                print(f"  replay: {repro_command(result.artifact, session.plugins)}",
-                      file=sys.stderr)
-    config = session.config() | {"runner": "difftest run", "examples": args.examples,
-                                 "seed": args.seed, "corpus": not args.no_corpus,
-                                 "shard": str(shard) if shard else None,
-                                 "generation": capabilities.lines()}
-    report = build_report(session.records, session.backend_entries(), config,
-                          session.environment, earlier_crashes=earlier)
-    report["config"]["audit"] = audit_json(report["cases"], session.backends, session.device)
+    plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
+                         generated_cases(args.examples, args.seed, capabilities.strategy()),
+                         shard)
+    progress = Progress(len(plan.runs), job.count if job else 1)
+    shown = 0
+    for result in execute(session, plan, Path(args.claims) if job else None):
+        progress.step(result)
+        if result.failed:
+            shown = _print_failure(result, session.plugins, shown)
+    report = session_report(session, {
+        "runner": "difftest run", "examples": args.examples, "seed": args.seed,
+        "corpus": not args.no_corpus, "shard": str(shard) if shard else None,
+        "generation": list(plan.generation), "case_set": plan.counts()}, earlier)
     session.close()
-    if job is None:
-        print(summary(report))
-        for line in capabilities.lines():
-            print(f"generation: {line}")
-        print("\n".join(audit_lines(report["cases"], session.backends, session.device)))
+    document = report.to_dict()
     if args.report:
-        write_report(args.report, report)
-        if job is None:
-            print(f"report: {args.report}")
-    return 1 if earlier or _judged_failed(report, quiet=job is not None) else 0
+        write_report(args.report, document)
+    if job is not None:
+        return 1 if report.failed else 0
+    judgement = _print_closing(document, args.report, args.audit)
+    return 1 if report.earlier_crashes or judgement.failed else 0
 
 
-def _judged_failed(report: dict[str, object], quiet: bool = False) -> bool:
-    """Print what the run met of the known bugs (:mod:`difftest.expectations`); whether
-    anything failed that no known bug explains, or an expected bug did not show."""
-    from difftest import expectations
-    from difftest.report import case_records
+def _print_closing(report: dict[str, Any], path: str | None,
+                   full_audit: bool) -> Judgement:
+    """What a run prints at its end: the case set, generation's notes, the audit's blind
+    spots (all of it with ``--audit``), why backends were unavailable, the summary, the known
+    bugs met (:mod:`difftest.expectations`), and the verdict line last; returns the run's
+    failures sorted by the expectations."""
+    from difftest.audit import audit_lines
+    from difftest.coverage import coverage_table
+    from difftest.expectations import judge
+    from difftest.expectations import load as load_expectations
+    from difftest.plan import case_set_line
+    from difftest.report import (
+        blind_spot_lines,
+        case_records,
+        summary,
+        unavailable_lines,
+        verdict_line,
+    )
 
-    judgement = expectations.judge(case_records(report), expectations.load())
-    for line in [] if quiet else judgement.lines():
+    config = report["config"]
+    unavailable = {b for b, e in report["backends"].items() if not e["available"]}
+    print()
+    if config.get("case_set"):
+        print(case_set_line(config["case_set"]))
+    generation = [line for line in config.get("generation", [])  # unavailable: said once
+                  if not any(line.startswith(f"not drawn for {b}: ") for b in unavailable)]
+    if full_audit:
+        print("\n".join(f"generation: {line}" for line in generation))
+        print("\n".join(audit_lines(report["cases"], config.get("backends", []))))
+        print(coverage_table(case_records(report)))
+    else:
+        fitted = [line for line in generation if line.startswith("fitted for ")]
+        if fitted:
+            print(f"generation: {len(fitted)} kinds of fitted variants (what changed for which "
+                  f"backend and why: {'difftest audit ' + path if path else '--audit'})")
+        print("\n".join(f"generation: {line}" for line in generation
+                        if not line.startswith("fitted for ")))
+        print("\n".join(blind_spot_lines(config.get("audit"), path)))
+    print("\n".join(unavailable_lines(report)))
+    print(summary(report, unavailable=False, coverage=False, max_failures=10))
+    judgement = judge(case_records(report), load_expectations())
+    for line in judgement.lines():
         print(line)
-    return judgement.failed
+    print(verdict_line(report, path, judgement))
+    return judgement
 
 
 def _run_jobs(args: argparse.Namespace) -> int:
     """``difftest run --jobs N``: N processes, one report (:mod:`difftest.jobs`)."""
-    from difftest.audit import audit_lines
     from difftest.fingerprint import fingerprint
-    from difftest.jobs import run_jobs
+    from difftest.jobs import job_environments, run_jobs
     from difftest.replay import report_previous_crashes
-    from difftest.report import build_report, summary, write_report
+    from difftest.report import Report, write_report
 
+    gpu_envs = job_environments(args.jobs, args.device)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
     options = [f"--device={args.device}", f"--reference={args.reference}",
                f"--artifacts={args.artifacts}", f"--examples={args.examples}",
@@ -281,7 +339,10 @@ def _run_jobs(args: argparse.Namespace) -> int:
     options += [f"--backends={','.join(args.backends)}"] if args.backends else []
     options += ["--no-corpus"] if args.no_corpus else []
     options += [f"--shard={args.shard}"] if args.shard else []
-    report, crashes, problems = run_jobs(options, args.jobs, args.artifacts)
+    for k, env in enumerate(gpu_envs, 1):
+        if env:
+            print(f"job {k}/{args.jobs}: {pinning.describe(env)}", file=sys.stderr)
+    report, crashes, problems = run_jobs(options, args.jobs, args.artifacts, gpu_envs)
     for problem in problems:
         print(f"difftest run: {problem}", file=sys.stderr)
     for record in crashes:
@@ -290,19 +351,36 @@ def _run_jobs(args: argparse.Namespace) -> int:
     found = [*earlier, *crashes]
     if report is None:  # every job died: a report of the crashes alone
         print("difftest run: no job wrote a report", file=sys.stderr)
-        report = build_report([], {}, {"runner": "difftest run"}, fingerprint())
+        report = Report(fingerprint(), {"runner": "difftest run"}, {}, []).to_dict()
     report["config"] |= {"shard": args.shard, "jobs": args.jobs}
+    if any(gpu_envs):
+        report["config"]["job_gpus"] = [pinning.describe(env) for env in gpu_envs]
     if found:
         report["earlier_crashes"] = report.get("earlier_crashes", []) + [
             c.to_dict() for c in found]
-    print(summary(report))
-    for line in report["config"].get("generation", []):
-        print(f"generation: {line}")
-    print("\n".join(audit_lines(report["cases"], report["config"].get("backends", []))))
     if args.report:
         write_report(args.report, report)
-        print(f"report: {args.report}")
-    return 1 if found or problems or _judged_failed(report) else 0
+    judgement = _print_closing(report, args.report, args.audit)
+    return 1 if found or problems or judgement.failed else 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Print a report's parameter audit and feature coverage."""
+    from difftest.audit import audit_lines
+    from difftest.coverage import coverage_table
+    from difftest.report import ReportError, case_records, read_report
+
+    try:
+        report = read_report(args.report)
+    except ReportError as exc:
+        print(f"difftest audit: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    tested = [b for b in report["config"].get("backends", [])
+              if b != report["config"].get("reference")]
+    print("\n".join(f"generation: {line}" for line in report["config"].get("generation", [])))
+    print("\n".join(audit_lines(report["cases"], tested)))
+    print(coverage_table(case_records(report)))
+    return 0
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
@@ -386,46 +464,57 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="difftest", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=EXIT_CODES, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("backends", help="list backends with availability and reasons")
+    def command(name: str, text: str, epilog: str = EXIT_CODES) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, epilog=epilog,
+                              formatter_class=_Formatter)
+
+    p = command("backends", "list backends with availability and reasons")
     _add_session_options(p)
     p.set_defaults(func=cmd_backends)
 
-    p = sub.add_parser("run", help="run the corpus plus N generated cases")
+    p = command("run", "run the pinned corpus plus N generated cases on every backend; the "
+                "last line is the verdict", f"{BACKEND_SYNTAX}\n\n{EXIT_CODES}")
     _add_session_options(p)
-    p.add_argument("--backends", type=_backend_names,
-                   help="comma-separated backends (default: all)")
-    p.add_argument("--examples", type=_count, default=20, help="generated cases (default 20)")
+    p.add_argument("--backends", type=_backend_names, metavar="NAMES",
+                   help="comma-separated backends under test (default: every known one)")
+    p.add_argument("--examples", type=_count, default=20,
+                   help="generated examples (each may add variants fitted to the backends "
+                   "that refuse it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated case set")
     p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
     p.add_argument("--shard", metavar="K/N",
                    help="run only shard K of N (1-based) of the case set, split by case id")
     p.add_argument("--jobs", type=_jobs, default=1, metavar="N|auto",
-                   help="on the CPU, split the case set across N processes, one core each "
-                   "(auto: one per core, at most 8; on a GPU, 1); one report (default 1)")
+                   help="split the case set across N processes, one report; auto: one per "
+                   "visible GPU (each pinned to its own), else one per core (at most 8)")
+    p.add_argument("--audit", action="store_true",
+                   help="print the whole parameter audit and feature coverage (by default "
+                   "only blind spots; `difftest audit REPORT` prints it later)")
     p.add_argument("--job", help=argparse.SUPPRESS)  # K/N: one process of --jobs N
     p.add_argument("--claims", help=argparse.SUPPRESS)  # the jobs' claimed cases
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("repro", help="replay a failing case on the local backends")
+    p = command("repro", "replay a failing case on the local backends",
+                f"{BACKEND_SYNTAX}\n\n{EXIT_CODES}")
     _add_session_options(p)
     p.add_argument("path", help="failure directory, case JSON or pending case file")
-    p.add_argument("--backends", type=_backend_names,
-                   help="comma-separated backends (default: all)")
+    p.add_argument("--backends", type=_backend_names, metavar="NAMES",
+                   help="comma-separated backends (default: those of the recording)")
     p.add_argument("--report", type=_output_file, help="write the replay as a JSON report here")
     p.set_defaults(func=cmd_repro)
 
-    p = sub.add_parser("promote", help="pin a case into the regression corpus")
+    p = command("promote", "pin a case into the regression corpus")
     p.add_argument("path", help="artifact directory or case JSON")
     p.add_argument("name", help="corpus name (letters, digits, '-', '_', '.')")
     p.add_argument("--corpus", type=_directory,
                    help="corpus directory (default: difftest/cases/corpus)")
     p.set_defaults(func=cmd_promote)
 
-    p = sub.add_parser("merge", help="join shard reports into one report")
+    p = command("merge", "join shard reports into one report")
     p.add_argument("reports", nargs="+", help="reports to join")
     p.add_argument("-o", "--output", required=True, type=_output_file,
                    help="where to write the merged report")
@@ -433,19 +522,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="merge even when fingerprints, configs or backends differ")
     p.set_defaults(func=cmd_merge)
 
-    p = sub.add_parser("gate", help="fail if CANDIDATE regressed against BASELINE")
+    p = command("gate", "fail if CANDIDATE regressed against BASELINE")
     p.add_argument("baseline", help="report of the accepted image")
     p.add_argument("candidate", help="report of the image under review")
     p.add_argument("--max-ratio-growth", type=_at_least(1.0), default=DEFAULT_MAX_RATIO_GROWTH,
-                   metavar="X", help="fail when error/tolerance grew more than X times "
-                   "(default %(default)s)")
+                   metavar="X", help="fail when error/tolerance grew more than X times")
     p.add_argument("--ratio-floor", type=_at_least(0.0), default=DEFAULT_RATIO_FLOOR, metavar="R",
-                   help="ignore growth while the candidate's error/tolerance <= R "
-                   "(default %(default)s)")
+                   help="ignore growth while the candidate's error/tolerance <= R")
     p.add_argument("--all", action="store_true", help="list unchanged rows too")
     p.set_defaults(func=cmd_gate)
 
-    p = sub.add_parser("plot", help="draw error/tolerance and the agreement matrix as a PNG")
+    p = command("audit", "print a report's parameter audit (each kernel argument's values "
+                "over the cases, blind spots marked) and feature coverage")
+    p.add_argument("report", help="a JSON report")
+    p.set_defaults(func=cmd_audit)
+
+    p = command("plot", "draw error/tolerance and the agreement matrix as a PNG")
     p.add_argument("report", help="a JSON report")
     p.add_argument("-o", "--output", type=_output_file,
                    help="PNG path (default: REPORT with .png)")

@@ -139,7 +139,8 @@ def _measured(actual: torch.Tensor, output: torch.Tensor, abs_output: torch.Tens
     error = (got - ref).abs()
     finite = torch.isfinite(got)
     error = torch.where(finite, error, torch.full_like(error, float("inf")))
-    ratio = torch.where(active, error / bound, torch.zeros_like(error))
+    # an exact element is ratio 0 even where the bound is 0 (0/0 would make the maximum NaN)
+    ratio = torch.where(active & (error > 0), error / bound, torch.zeros_like(error))
     mismatch = active & ~(error <= bound)
 
     empty = ~active[:, 0, 0]
@@ -224,7 +225,7 @@ def _worst_locations(
         locations.append(Location(
             row=r,
             request=case.request_of_row(r),
-            query_token=r % case.decode_query_len,
+            query_token=case.query_token(r),
             head=h,
             dim=d,
             actual=float(got[r, h, d]),

@@ -46,7 +46,9 @@ def case_features(case: Case, rows: tuple[SparseRow, ...] | None = None) -> dict
         "query_dtype": case.query_dtype,
         "kv_dtype": case.kv_dtype,
         "kv_layout": case.kv_layout,
-        "decode_query_len": case.decode_query_len,
+        # the most query tokens of a request (decode_query_len, or the longest query_lens)
+        "decode_query_len": max((case.query_len(r) for r in range(case.batch)),
+                                default=case.decode_query_len),
         "num_blocks": case.num_blocks,
         "max_page_id": max_page,
         "context_lens": [row.context_len for row in rows],

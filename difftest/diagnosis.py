@@ -232,6 +232,17 @@ class _RowModel:
         flagged = self._flagged(truth, actual)
         if not bool(flagged.any()):
             return False, False
+        return self._predicts(read, actual, truth, flagged)
+
+    def keeps_agreeing(self, read: Read, actual: torch.Tensor, truth: Reference) -> bool:
+        """Whether the row under ``read`` predicts ``actual`` (an agreeing row's output,
+        float64) within tolerance: a rule that misreads every row must still reproduce the
+        rows that agree. No element is flagged on such a row, so :meth:`explains` (which
+        needs an error to explain) cannot judge it."""
+        return self._predicts(read, actual, truth, self._flagged(truth, actual))[0]
+
+    def _predicts(self, read: Read, actual: torch.Tensor, truth: Reference,
+                  flagged: torch.Tensor) -> tuple[bool, bool]:
         predicted = self.recompute(read)
         matched = self._explains(predicted, actual, truth, flagged)
         if (not matched and self.case.kv_dtype in E4M3_NAN_AS_FINITE
@@ -403,13 +414,12 @@ def _other_request_table(model: _RowModel, n: int, base: Read) -> Iterator[Varia
 
 def _other_query_token(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
     case = model.case
-    first = case.request_of_row(n) * case.decode_query_len
-    for m in range(first, first + case.decode_query_len):
+    for m in case.request_rows(case.request_of_row(n)):
         if m == n:
             continue
         other = model.base(m)
         yield Variant("other-query-token-selection", f"row {n} read what row {m} (query token "
-                      f"{m - first} of its request) selects",
+                      f"{case.query_token(m)} of its request) selects",
                       dataclasses.replace(base, pages=other.pages,
                                           context_len=other.context_len))
         yield Variant("other-query-token-query", f"row {n} computed with row {m}'s query",
@@ -601,8 +611,8 @@ def diagnose(inputs: RunInputs, actual: torch.Tensor, truth: Reference, rows: tu
         for c in controls:
             read = _rule_read(model, c, name)
             got = actual[c].detach().to(device=model.device, dtype=torch.float64)
-            if read is not None and not model.explains(
-                    read, got, _row_reference(truth, c, model.device))[0]:
+            if read is not None and not model.keeps_agreeing(
+                    read, got, _row_reference(truth, c, model.device)):
                 del found[name]
                 break
         else:

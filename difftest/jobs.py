@@ -1,6 +1,9 @@
-"""``difftest run --jobs N`` on the CPU: the case set split across N local processes, their
-reports joined into one.
+"""``difftest run --jobs N``: the case set split across N local processes, their reports
+joined into one.
 
+On a machine with GPUs each job is pinned to one GPU as the pytest-xdist workers are
+(:func:`job_environments`, :func:`difftest.pinning.assign`: round-robin within the mask the
+runner set), and ``--jobs auto`` runs one job per visible GPU. On the CPU,
 Triton's interpreter and the float64 reference run in one Python thread, so one process
 uses one core. Each job is ``difftest run`` with the same options plus ``--job K/N``: it
 builds the same case set (the corpus, the generated cases, the shard) and walks it in order,
@@ -32,6 +35,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from difftest import pinning
 from difftest.artifacts import ArtifactStore
 from difftest.records import CaseRecord
 from difftest.shard import merge_reports
@@ -41,8 +45,28 @@ MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many (each job holds to
 
 
 def auto_jobs() -> int:
-    """The jobs ``--jobs auto`` runs: one per core, at most :data:`MAX_AUTO_JOBS`."""
+    """The jobs ``--jobs auto`` runs on the CPU: one per core, at most :data:`MAX_AUTO_JOBS`."""
     return max(1, min(os.cpu_count() or 1, MAX_AUTO_JOBS))
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> int:
+    """The GPUs jobs can be pinned to: those the drivers report (or ``DIFFTEST_FAKE_GPUS``)
+    within the runner's mask, counted without starting a GPU runtime."""
+    from difftest.gpus import visible_gpus as read_mask
+
+    vendor, physical = pinning.detect(environ)
+    return len(read_mask(pinning.runner_mask(environ), physical, vendor).entries)
+
+
+def job_environments(jobs: int, device: str, environ: dict[str, str] | None = None
+                     ) -> list[dict[str, str]]:
+    """The GPU visibility variables of each of ``jobs`` jobs: job ``k`` pinned to its own GPU
+    (round-robin when jobs outnumber GPUs) within the runner's mask, as the xdist workers are;
+    empty dicts on the CPU. :class:`difftest.pinning.PinningError` on a mask that cannot be
+    honoured."""
+    vendor, physical = pinning.detect(environ)
+    mask = pinning.runner_mask(environ)
+    return [pinning.assign(k, jobs, mask, physical, vendor, device) for k in range(jobs)]
 
 
 def claimed(runs: Iterable[Run], claims: Path) -> Iterator[Run]:
@@ -56,12 +80,16 @@ def claimed(runs: Iterable[Run], claims: Path) -> Iterator[Run]:
         yield run
 
 
-def run_jobs(options: Sequence[str], jobs: int, artifacts: str
+def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
+             gpu_envs: Sequence[dict[str, str]] = ()
              ) -> tuple[dict[str, Any] | None, list[CaseRecord], list[str]]:
-    """Run ``difftest run <options>`` as ``jobs`` processes; return the merged report (None if
-    no job wrote one), the crash records of jobs that died, and what went wrong."""
+    """Run ``difftest run <options>`` as ``jobs`` processes, job ``k`` with the visibility
+    variables ``gpu_envs[k]`` (:func:`job_environments`; none on the CPU); return the merged
+    report (None if no job wrote one), the crash records of jobs that died, and what went
+    wrong."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    envs = [env | (dict(gpu_envs[k]) if k < len(gpu_envs) else {}) for k in range(jobs)]
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="difftest-jobs-") as tmp:
         paths = [Path(tmp) / f"job-{k}.json" for k in range(1, jobs + 1)]
@@ -70,7 +98,8 @@ def run_jobs(options: Sequence[str], jobs: int, artifacts: str
         procs = [subprocess.Popen(
             [sys.executable, "-m", "difftest.cli", "run", *options, "--job", f"{k}/{jobs}",
              "--claims", str(claims), "--report", str(path)], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env=env) for k, path in enumerate(paths, 1)]
+            stderr=subprocess.PIPE, text=True, env=envs[k - 1])
+            for k, path in enumerate(paths, 1)]
         relays = [threading.Thread(target=_relay, args=(stream, out, f"[job {k}/{jobs}] "))
                   for k, proc in enumerate(procs, 1)
                   for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]

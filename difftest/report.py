@@ -17,15 +17,18 @@ import math
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from difftest.artifacts import repro_command
 from difftest.backend import Backend
 from difftest.coverage import coverage_table
 from difftest.jsonfile import JSONFileError, read_json, write_json
 from difftest.records import FAILING, STATUSES, CaseRecord, RecordError, Status, read_entry
+
+if TYPE_CHECKING:
+    from difftest.expectations import Judgement
 
 REPORT_SCHEMA = "difftest.report/1"
 CASE_LISTS = ("cases", "earlier_crashes")
@@ -105,30 +108,65 @@ def backend_entry(backend: Backend) -> dict[str, Any]:
             "versions": versions}
 
 
+def unique_cases(records: Iterable[CaseRecord]) -> list[CaseRecord]:
+    """``records`` by case id (sorted), a case id recorded twice keeping its last record."""
+    by_id = {r.case_id: r for r in records}
+    return [by_id[k] for k in sorted(by_id)]
+
+
+@dataclass
+class Report:
+    """A run's report, built once with everything in it (its audit included).
+
+    :meth:`to_dict` is its JSON document (what :func:`write_report` writes and the
+    summary, ``merge``, ``gate`` and ``plot`` read); a case id recorded twice keeps its last
+    record. ``earlier_crashes`` are cases an earlier, dead process left pending, found at the
+    start of this run: failures to act on, but not part of this run's case set. ``audit`` is
+    :func:`difftest.audit.audit_json` of the cases (``config.audit`` in JSON).
+    """
+
+    fingerprint: dict[str, Any]
+    config: dict[str, Any]
+    backends: dict[str, dict[str, Any]]
+    cases: list[CaseRecord]
+    audit: dict[str, Any] | None = None
+    workers: dict[str, dict[str, Any]] | None = None
+    earlier_crashes: list[CaseRecord] = field(default_factory=list)
+    created: str = field(default_factory=now)
+
+    @property
+    def failed(self) -> bool:
+        """Whether a backend disagreed, errored or crashed, or an earlier crash was found."""
+        return bool(self.earlier_crashes) or any(c.failed for c in self.cases)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (schema :data:`REPORT_SCHEMA`)."""
+        config = dict(self.config)
+        if self.audit is not None:
+            config["audit"] = self.audit
+        document: dict[str, Any] = {
+            "schema": REPORT_SCHEMA,
+            "created": self.created,
+            "fingerprint": self.fingerprint,
+            "config": config,
+            "backends": dict(sorted(self.backends.items())),
+            "cases": [r.to_dict() for r in unique_cases(self.cases)],
+        }
+        if self.workers is not None:
+            document["workers"] = dict(sorted(self.workers.items()))
+        if self.earlier_crashes:
+            document["earlier_crashes"] = [c.to_dict() for c in self.earlier_crashes]
+        return document
+
+
 def build_report(records: Iterable[CaseRecord], backends: dict[str, dict[str, Any]],
                  config: dict[str, Any], fingerprint: dict[str, Any],
                  workers: dict[str, dict[str, Any]] | None = None,
-                 earlier_crashes: Iterable[CaseRecord] = ()) -> dict[str, Any]:
-    """The report of ``records``; a case id seen twice keeps its last record.
-
-    ``earlier_crashes`` are cases an earlier, dead process left pending, found at the start of
-    this run: failures to act on, but not part of this run's case set.
-    """
-    by_id = {r.case_id: r.to_dict() for r in records}
-    crashes = [c.to_dict() for c in earlier_crashes]
-    report: dict[str, Any] = {
-        "schema": REPORT_SCHEMA,
-        "created": now(),
-        "fingerprint": fingerprint,
-        "config": config,
-        "backends": dict(sorted(backends.items())),
-        "cases": [by_id[k] for k in sorted(by_id)],
-    }
-    if workers is not None:
-        report["workers"] = dict(sorted(workers.items()))
-    if crashes:
-        report["earlier_crashes"] = crashes
-    return report
+                 earlier_crashes: Iterable[CaseRecord] = (),
+                 audit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON document of a :class:`Report` of ``records``."""
+    return Report(fingerprint, config, backends, list(records), audit, workers,
+                  list(earlier_crashes)).to_dict()
 
 
 def write_report(path: Path | str, report: dict[str, Any]) -> None:
@@ -186,8 +224,77 @@ def failure_lines(cases: list[CaseRecord], plugins: tuple[str, ...] = ()) -> lis
     return lines
 
 
-def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20) -> str:
-    """Agreement matrix, cases per backend, the worst cases and every failure, as text."""
+def unavailable_lines(report: dict[str, Any]) -> list[str]:
+    """Each unavailable backend's reason, once: backends sharing a reason share a line."""
+    by_reason: dict[str, list[str]] = {}
+    for backend, entry in sorted(report["backends"].items()):
+        if not entry["available"]:
+            by_reason.setdefault(entry["reason"], []).append(backend)
+    return [f"unavailable: {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
+
+
+def status_counts(report: dict[str, Any]) -> Counter[Status]:
+    """Results by status over the report's cases."""
+    return Counter(r.status for c in case_records(report) for r in c.results)
+
+
+def verdict_line(report: dict[str, Any], path: str | None = None,
+                 judgement: Judgement | None = None) -> str:
+    """The closing line of a run: PASSED or FAILED, the new failures by kind, the known bugs
+    met and the expected ones not seen (``judgement``, :mod:`difftest.expectations`), what
+    did not run, and where the report is."""
+    counts = status_counts(report)
+    known = Counter(r.status for hits in (judgement.known if judgement else {}).values()
+                    for _, r in hits)
+    crashes = len(report.get("earlier_crashes") or [])
+    failing = sum(counts[s] - known[s] for s in FAILING) + crashes
+    unseen = sorted(judgement.unseen) if judgement else []
+    cases = len(report["cases"])
+    unavailable = sorted(b for b, e in report["backends"].items() if not e["available"])
+    if failing or unseen:
+        kinds = [f"{counts[s] - known[s]} {s.value}" for s in Status
+                 if s in FAILING and counts[s] - known[s]]
+        kinds += [f"{crashes} crash(es) left by an earlier run"] if crashes else []
+        head = f"FAILED: {failing} new failure(s)" + (f" ({', '.join(kinds)})" if kinds else "")
+        head += f" in {cases} cases"
+        head += f"; expected bug(s) not seen: {', '.join(unseen)}" if unseen else ""
+    else:
+        head = f"PASSED: {cases} cases, {counts[Status.AGREE]} agreements, no new failure"
+    parts = [head]
+    if judgement and judgement.known:
+        parts.append(f"{sum(known.values())} known bug result(s) "
+                     f"({', '.join(sorted(judgement.known))})")
+    parts.append(f"{counts[Status.UNSUPPORTED]} unsupported")
+    if unavailable:
+        parts.append(f"{counts[Status.UNAVAILABLE]} unavailable ({', '.join(unavailable)})")
+    parts.append(f"report {path}" if path else "no report written (--report PATH)")
+    return "; ".join(parts)
+
+
+def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None) -> list[str]:
+    """The audit's blind spots (kernel arguments that took one value over the cases a backend
+    ran, though not documented as fixed), one line per backend, and where the whole audit
+    is shown."""
+    if not audit:
+        return []
+    lines = []
+    for backend, entry in sorted(audit["backends"].items()):
+        blind = [f"{a['name']}={'/'.join(a['values']) or '-'}" for a in entry["arguments"]
+                 if a["blind"]]
+        if blind and entry["cases"]:  # a backend that ran nothing is not audited
+            lines.append(f"blind spots of {backend} ({entry['kernel']}, {entry['cases']} "
+                         f"cases): {', '.join(blind)}")
+    where = f"difftest audit {path}" if path else "difftest run --audit"
+    lines.append(f"parameter audit: {len(lines)} backend(s) with blind spots; all of it: "
+                 f"{where}")
+    return lines
+
+
+def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20,
+            unavailable: bool = True, coverage: bool = True) -> str:
+    """Agreement matrix, cases per backend, the worst cases and every failure, as text;
+    ``unavailable``: with each unavailable backend's reason (:func:`unavailable_lines`);
+    ``coverage``: with the feature coverage table."""
     cases = case_records(report)
     matrix = status_matrix(cases)
     width = max([len(b) for b in matrix] + [7])
@@ -209,11 +316,10 @@ def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20) -> s
         lines += ["", "worst cases (error/tolerance):"]
         lines += [f"  {ratio:10.3g}  {backend:<{width}}  {case_id}  {status}  {name}".rstrip()
                   for ratio, case_id, name, backend, status in ranked]
-    if cases:
+    if cases and coverage:
         lines += ["", coverage_table(cases)]
-    for backend, entry in sorted(report["backends"].items()):
-        if not entry["available"]:
-            lines.append(f"unavailable: {backend}: {entry['reason']}")
+    if unavailable:
+        lines += unavailable_lines(report)
     plugins = tuple(report.get("config", {}).get("plugins", ()))
     failures = failure_lines(cases, plugins) + [
         f"CRASH case {c.case_id} (in an earlier run): replay with "

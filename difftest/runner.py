@@ -5,6 +5,10 @@ Data flows one way: case -> inputs (data, sparse table, caches) -> each backend 
 (:mod:`difftest.records`). The engine writes no files: the session (:mod:`difftest.session`)
 puts the case on disk before it runs and stores the failures.
 
+Whoever runs a case observes it through :class:`RunHooks` (the session notes on disk which
+backend runs, and keeps each output's digest; a benchmark times each call): the backends
+are called as they are, never through a wrapper.
+
 A :class:`Preparation` builds a case's host-side inputs (segment tables, page table, features)
 ahead, in a worker process (:func:`prepare_host`) while earlier cases run; the rows are built
 only if something reads them (:class:`LazyRows`). Nothing in it touches the device, so no
@@ -20,6 +24,7 @@ import time
 import traceback
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, overload
 
@@ -39,7 +44,22 @@ from difftest.sparse_table import SparseRow, build_rows, page_table
 from difftest.tolerance import Reference, Tolerance
 
 __all__ = ["FAILING", "BackendResult", "CaseResult", "LazyRows", "Preparation", "PreparedHost",
-           "Status", "prepare_host", "run_case"]
+           "RunHooks", "Status", "prepare_host", "run_case"]
+
+
+class RunHooks:
+    """Observers of a case's run; the defaults observe nothing.
+
+    :meth:`calling` wraps each call of the reference (``stage`` ``"reference"``) and of each
+    backend (``stage`` its name); :meth:`produced` receives each backend's output tensor.
+    """
+
+    def calling(self, case: Case, backend: str, stage: str) -> AbstractContextManager[None]:
+        """A context around ``backend``'s call on ``case``."""
+        return nullcontext()
+
+    def produced(self, case: Case, backend: str, output: torch.Tensor) -> None:
+        """``backend`` returned ``output`` on ``case``."""
 
 
 @dataclass
@@ -68,6 +88,8 @@ class CaseResult:
     results: list[BackendResult]
     timings: dict[str, float]
     artifact: str | None = None
+    # the case's rows as generation built them (None when generation failed), for features
+    rows: Sequence[SparseRow] | None = field(default=None, repr=False)
 
     @property
     def failed(self) -> bool:
@@ -215,6 +237,7 @@ def run_case(
     prepared: PreparedHost | None = None,
     diagnose: bool = True,
     caches: CachePool | None = None,
+    hooks: Sequence[RunHooks] = (),
 ) -> CaseResult:
     """Run ``case`` through ``reference`` and ``backends`` and judge each backend;
     ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`); ``diagnose``:
@@ -222,30 +245,43 @@ def run_case(
     instead; a benchmark that only counts verdicts can skip its cost); ``caches``: a pool the
     session keeps across cases, so that each cache is restored and rewritten where cases
     differ instead of filled whole (the same bytes); it is cleared after a case in which a
-    backend failed, in case the backend wrote into its input cache."""
+    backend failed, in case the backend wrote into its input cache; ``hooks``: observers of
+    each call (:class:`RunHooks`)."""
     timings: dict[str, float] = {}
+    rows: Sequence[SparseRow] | None = None
     try:
         start = time.perf_counter()
         inputs = case_inputs(case, device, prepared, caches)
+        rows = inputs.rows
         _sync(device)
         timings["generate"] = time.perf_counter() - start
         start = time.perf_counter()
-        truth = reference.reference(inputs)
-        _sync(device)
+        with _calling(hooks, case, reference.name, "reference"):
+            truth = reference.reference(inputs)
+            _sync(device)
         timings["reference"] = time.perf_counter() - start
     except Exception:  # a framework failure is every backend's error, never a lost case
         detail = f"the reference {reference.name!r} could not be computed:\n{_traceback()}"
         results = [BackendResult(b.name, Status.ERROR, detail=detail) for b in backends]
     else:
-        results = [_run_backend(backend, inputs, truth, timings, diagnose)
+        results = [_run_backend(backend, inputs, truth, timings, diagnose, hooks)
                    for backend in backends]
     if caches is not None and any(r.status in FAILING for r in results):
         caches.clear()
-    return CaseResult(case, reference.name, results, timings)
+    return CaseResult(case, reference.name, results, timings, rows=rows)
+
+
+def _calling(hooks: Sequence[RunHooks], case: Case, backend: str, stage: str) -> ExitStack:
+    """Every hook's :meth:`RunHooks.calling` context, entered in order."""
+    stack = ExitStack()
+    for hook in hooks:
+        stack.enter_context(hook.calling(case, backend, stage))
+    return stack
 
 
 def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
-                 timings: dict[str, float], diagnose: bool) -> BackendResult:
+                 timings: dict[str, float], diagnose: bool,
+                 hooks: Sequence[RunHooks]) -> BackendResult:
     case, device = inputs.case, inputs.device
     availability = backend.availability()
     if not availability.available:
@@ -272,8 +308,12 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
                              versions=versions)
     start = time.perf_counter()
     try:
-        actual = backend.run(inputs)
-        _sync(device)
+        with _calling(hooks, case, backend.name, backend.name):
+            actual = backend.run(inputs)
+            _sync(device)
+        if isinstance(actual, torch.Tensor):
+            for hook in hooks:
+                hook.produced(case, backend.name, actual)
     except Exception:  # every failure of a backend is a result, not a crash of the run
         seconds = time.perf_counter() - start
         timings[backend.name] = seconds

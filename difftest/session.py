@@ -3,15 +3,17 @@
 Shared by the CLI and the pytest plugin so both resolve devices, plug-ins and backends the
 same way, and both produce the same records (:class:`difftest.records.CaseRecord`). The
 session owns the artifact store: it puts each case on disk before the engine
-(:func:`difftest.runner.run_case`, which writes no files) runs it, and stores its failures.
+(:func:`difftest.runner.run_case`, which writes no files) runs it, learns through the
+engine's hooks which backend runs and what each returned, and stores its failures.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,60 +21,34 @@ import torch
 
 from difftest import devices, registry
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
-from difftest.backend import Backend, ReferenceBackend, RunInputs, serves_as_reference
+from difftest.backend import Backend, ReferenceBackend, serves_as_reference
 from difftest.case import Case
 from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
 from difftest.layouts import CachePool
 from difftest.records import CaseRecord
 from difftest.report import backend_entry
-from difftest.runner import CaseResult, Preparation, run_case
-from difftest.sparse_table import SparseRow
-from difftest.tolerance import Reference
+from difftest.runner import CaseResult, Preparation, RunHooks, run_case
 
 DEFAULT_REFERENCE = "torch-ref"
 
 
-class ObservedBackend:
-    """A backend as a session runs it: the store learns when it starts and what it returned.
+class StoreHooks(RunHooks):
+    """The artifact store's view of a run: it learns which backend starts (so a crash is
+    attributed to the backend that caused it) and each output's digest (so a replay can be
+    checked bit for bit)."""
 
-    Everything else is the wrapped backend's. Marking the start on disk attributes a crash to
-    the backend that caused it; the output digest lets a replay be checked bit for bit.
-    """
-
-    def __init__(self, inner: Backend, store: ArtifactStore) -> None:
-        self.inner = inner
+    def __init__(self, store: ArtifactStore) -> None:
         self.store = store
-        self.name = inner.name
-        self.in_page_orders = inner.in_page_orders
 
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.inner, attr)
+    def calling(self, case: Case, backend: str, stage: str) -> AbstractContextManager[None]:
+        """Note on disk that ``backend`` runs ``case``."""
+        self.store.running(case, backend)
+        return nullcontext()
 
-    def run(self, inputs: RunInputs) -> torch.Tensor:
-        """The wrapped backend's output, digested."""
-        self.store.running(inputs.case, self.name)
-        output = self.inner.run(inputs)
-        if isinstance(output, torch.Tensor):
-            self.store.record_output(inputs.case, self.name, output)
-        return output
-
-
-class ObservedReference(ObservedBackend):
-    """The reference backend as a session runs it (its reference computation observed too)."""
-
-    inner: ReferenceBackend
-    rows: Sequence[SparseRow] | None = None  # the case's rows, once the reference ran
-
-    def __init__(self, inner: ReferenceBackend, store: ArtifactStore) -> None:
-        super().__init__(inner, store)
-
-    def reference(self, inputs: RunInputs) -> Reference:
-        """The wrapped reference backend's float64 reference; keeps the case's rows (built
-        by generation) in :attr:`rows` for the case's features."""
-        self.store.running(inputs.case, self.name)
-        self.rows = inputs.rows
-        return self.inner.reference(inputs)
+    def produced(self, case: Case, backend: str, output: torch.Tensor) -> None:
+        """Keep the digest of ``output``."""
+        self.store.record_output(case, backend, output)
 
 
 @dataclass
@@ -86,6 +62,8 @@ class Session:
     plugins: tuple[str, ...] = ()
     results: list[CaseResult] = field(default_factory=list)
     records: list[CaseRecord] = field(default_factory=list)
+    # observers of every case besides the store's (a benchmark's timers)
+    hooks: list[RunHooks] = field(default_factory=list, repr=False, compare=False)
     _pool: ProcessPoolExecutor | None = field(default=None, repr=False, compare=False)
     # the cache buffers reused from case to case (difftest.layouts.CachePool)
     caches: CachePool = field(default_factory=CachePool, repr=False, compare=False)
@@ -165,16 +143,15 @@ class Session:
         chosen = self.backends if backends is None else self.chosen(backends)
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
         host = None if prepared is None else prepared.host()
-        reference = ObservedReference(self.reference, self.store)
-        result = run_case(case, reference, [ObservedBackend(b, self.store) for b in chosen],
-                          self.device, host, caches=self.caches)
+        result = run_case(case, self.reference, chosen, self.device, host, caches=self.caches,
+                          hooks=[StoreHooks(self.store), *self.hooks])
         # The case as begin serialised it and the features from generation's rows (or from
         # the worker): neither is built twice (at production shape each cost about 10 to
         # 25 ms per case).
         features = None
-        if reference.rows is not None:
+        if result.rows is not None:
             features = (host.features if host is not None
-                        else case_features(case, reference.rows))
+                        else case_features(case, result.rows))
         record = result.record(self.store.outputs(case), case=self.store.case_dict(case),
                                features=features)
         result.artifact = self.store.finish(case, record)

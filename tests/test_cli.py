@@ -161,19 +161,28 @@ def test_repro_replays_a_recorded_backend_configured_by_its_name(tmp_path: Path,
     assert "key/value caches must have the same number of blocks" in out
 
 
-def test_run_draws_what_its_backends_run_and_prints_the_parameter_audit(
+def test_run_ends_in_its_verdict_and_its_report_holds_the_parameter_audit(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], device_name: str) -> None:
-    """Generation leaves out float32 queries for the AITER emulator (and says so), and the
-    run lists pa_decode_gluon's arguments with the values they took."""
+    """Generation leaves out float32 queries for the AITER emulator (and says so); the run
+    ends in its verdict line, explains its case count, and prints the audit's blind spots
+    only: ``difftest audit REPORT`` lists pa_decode_gluon's arguments with their values."""
+    report_path = str(tmp_path / "r.json")
     code = cli.main(["run", "--no-corpus", "--examples", "3", "--backends",
                      "aiter-gluon@emulated", "--device", device_name,
-                     "--artifacts", str(tmp_path / "artifacts"),
-                     "--report", str(tmp_path / "r.json")])
+                     "--artifacts", str(tmp_path / "artifacts"), "--report", report_path])
     out = capsys.readouterr().out
     assert code == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert [r["status"] for c in report["cases"] for r in c["results"]] == ["agree"] * 3
     assert "generation: not drawn for aiter-gluon@emulated: query float32" in out
+    assert "3 cases: 0 corpus, 3 generated" in out
+    assert report["config"]["case_set"] == {"corpus": 0, "generated": 3, "fitted": 0}
+    assert f"all of it: difftest audit {report_path}" in out
+    assert "parameter coverage over" not in out
+    assert out.rstrip().splitlines()[-1] == (
+        f"PASSED: 3 cases, 3 agreements, no new failure; 0 unsupported; report {report_path}")
+    assert cli.main(["audit", report_path]) == 0
+    out = capsys.readouterr().out
     assert "parameter coverage over 3 cases" in out
     assert "aiter-gluon@emulated -> pa_decode_gluon (3 cases ran)" in out
     audited = report["config"]["audit"]["backends"]["aiter-gluon@emulated"]

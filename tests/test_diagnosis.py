@@ -8,6 +8,7 @@ an error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,8 @@ from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.case import Case
+from difftest.compare import compare
+from difftest.coverage import case_features
 from difftest.diagnosis import HYPOTHESIS_NAMES, NOTHING, diagnose, hypothesis_of
 from difftest.records import CaseRecord
 from difftest.runner import Status, run_case
@@ -137,3 +140,81 @@ def test_a_failing_diagnosis_is_a_line_not_an_error(device: torch.device,
                        device).results[0]
     assert outcome.status is Status.DISAGREE
     assert outcome.comparison.diagnosis == ("diagnosis failed: RuntimeError: no cache today",)
+
+
+# Request 0 attends 300 tokens, request 1 a single one: softmax over one token is 1 whatever
+# the scale, so a wrong scale leaves request 1's row agreeing.
+ONE_TOKEN_ROW = Case(num_blocks=8, seq_lens=(300, 1), block_tables=((5, 1, 6), (2,)),
+                     selections=((0, 1, 2), (0, -1, -1)), num_q_heads=4,
+                     query_dtype="float16", kv_dtype="float8_e4m3fn", k_scale=0.5,
+                     v_scale=2.0, softmax_scale=0.2, name="one-token-row")
+
+
+def test_a_rule_that_keeps_the_agreeing_rows_agreeing_is_kept() -> None:
+    """A kernel that uses the default softmax scale everywhere: its output is the
+    hypothesis's prediction exactly, wrong on request 0's row and agreeing on request 1's.
+    The agreeing row is checked as a prediction within tolerance, not as an error to explain
+    (it has none), so the rule survives its control row and names the bug."""
+    inputs = RunInputs(ONE_TOKEN_ROW, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    tolerance = Tolerance(backend.precision(ONE_TOKEN_ROW, inputs.device))
+    model = diagnosis._RowModel(inputs, tolerance, backend.empty_row_output(ONE_TOKEN_ROW))
+    default = ONE_TOKEN_ROW.head_dim ** -0.5
+    actual = torch.cat([model.recompute(dataclasses.replace(
+        model.base(n), softmax_scale=default)).output for n in range(ONE_TOKEN_ROW.total_q)])
+    assert diagnosis._agreeing_rows(actual, truth, tolerance) == [1]
+    lines = diagnose(inputs, actual, truth, (0,), tolerance,
+                     backend.empty_row_output(ONE_TOKEN_ROW))
+    assert hypothesis_of(lines[0]) == "softmax-scale-default", lines
+    assert "1 agreeing row" in lines[0] or "row 1" in lines[0], lines
+
+
+# Prefill-like requests of 2 and 3 query tokens: rows 0-1 are request 0, rows 2-4 request 1.
+PREFILL = Case(num_blocks=8, seq_lens=(300, 200), block_tables=((5, 1, 6), (2, 7)),
+               selections=((0, 1, 2), (0, 1, 2), (0, 1, -1), (0, 1, -1), (0, 1, -1)),
+               query_lens=(2, 3), num_q_heads=4, query_dtype="float16",
+               kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, name="prefill")
+
+
+def test_query_lens_rows_are_read_within_their_own_request() -> None:
+    """The other-query-token hypotheses of row 3 try rows 2 and 4 (its request's other
+    tokens, query tokens 0 and 2), not rows of request 0 as ``request * decode_query_len``
+    arithmetic would."""
+    inputs = RunInputs(PREFILL, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    model = diagnosis._RowModel(inputs, Tolerance(backend.precision(PREFILL, inputs.device)),
+                                backend.empty_row_output(PREFILL))
+    texts = [v.text for v in diagnosis._other_query_token(model, 3, model.base(3))
+             if v.hypothesis == "other-query-token-selection"]
+    assert texts == ["row 3 read what row 2 (query token 0 of its request) selects",
+                     "row 3 read what row 4 (query token 2 of its request) selects"]
+
+
+def test_query_lens_worst_locations_name_the_query_token_and_features_the_length() -> None:
+    """A wrong row 4 is request 1's query token 2 (not token 0), and the case's features say
+    its longest request has 3 query tokens."""
+    inputs = RunInputs(PREFILL, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    actual = truth.output.clone()
+    actual[4] += 1.0
+    comparison = compare("broken", actual.to(torch.float16), truth,
+                         Tolerance(backend.precision(PREFILL, inputs.device)),
+                         backend.empty_row_output(PREFILL), PREFILL, inputs.rows)
+    (worst,) = comparison.worst
+    assert (worst.row, worst.request, worst.query_token) == (4, 1, 2)
+    assert case_features(PREFILL)["decode_query_len"] == 3
+
+
+def test_an_exact_output_under_a_zero_bound_has_error_over_tolerance_0(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the error and the bound are both 0 the ratio is 0, not 0/0 = NaN."""
+    inputs = RunInputs(CASE, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    monkeypatch.setattr(Tolerance, "bound", lambda self, ref: torch.zeros_like(ref.output))
+    comparison = compare("exact", truth.output.clone(), truth,
+                         Tolerance(backend.precision(CASE, inputs.device)),
+                         backend.empty_row_output(CASE), CASE, inputs.rows)
+    assert comparison.agrees and comparison.max_ratio == 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from difftest import cli
-from difftest.jobs import auto_jobs, claimed
+from difftest import cli, pinning
+from difftest import jobs as jobs_module
+from difftest.gpus import VISIBILITY_VARS
+from difftest.jobs import auto_jobs, claimed, job_environments
+from difftest.pinning import FAKE_GPUS_ENV
 from difftest.report import case_records
 from difftest.shard import comparable_case
 
@@ -64,13 +68,65 @@ def test_jobs_that_die_leave_crashes_in_the_report(tmp_path: Path) -> None:
     assert report["config"]["jobs"] == 2
 
 
-def test_jobs_are_counted_per_device_and_bad_counts_named(capsys) -> None:
-    assert cli._job_count(0, "cpu") == auto_jobs() >= 1
-    assert cli._job_count(0, "cuda") == 1
+def test_jobs_are_counted_per_device_and_bad_counts_named(capsys, monkeypatch) -> None:
+    for var in (FAKE_GPUS_ENV, *VISIBILITY_VARS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(pinning.gpus, "physical_gpu_count", lambda: 0)
+    assert cli._job_count(0, "cpu") == cli._job_count(0, "auto") == auto_jobs() >= 1
     assert cli._job_count(3, "cpu") == 3
-    with pytest.raises(cli.UsageError, match=r"--jobs 2: .*with a GPU allowed 1 or auto"):
-        cli._job_count(2, "cuda")
+    monkeypatch.setenv(FAKE_GPUS_ENV, "nvidia:4")
+    assert cli._job_count(0, "auto") == cli._job_count(0, "cuda") == 4
+    assert cli._job_count(0, "cpu") == auto_jobs()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert cli._job_count(0, "auto") == 2
     for bad in ("0", "-1", "two"):
         with pytest.raises(SystemExit):
             cli.main(["run", "--jobs", bad])
         assert "allowed: an integer >= 1, or auto" in capsys.readouterr().err
+
+
+def test_job_environments_pin_each_job_to_its_own_gpu_within_the_mask() -> None:
+    """As the xdist workers are: one GPU each, within the runner's mask, round-robin beyond."""
+    four = {FAKE_GPUS_ENV: "amd:4"}
+    assert job_environments(4, "auto", four) == [
+        {"HIP_VISIBLE_DEVICES": str(k), "CUDA_VISIBLE_DEVICES": str(k)} for k in range(4)]
+    masked = {FAKE_GPUS_ENV: "amd:8", "ROCR_VISIBLE_DEVICES": "1,3,5,7"}
+    assert job_environments(4, "auto", masked) == [
+        {"ROCR_VISIBLE_DEVICES": g} for g in ("1", "3", "5", "7")]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in job_environments(
+        3, "cuda", {FAKE_GPUS_ENV: "nvidia:2"})] == ["0", "1", "0"]
+    assert job_environments(2, "cpu", four) == [{}, {}]
+    assert job_environments(2, "auto", {FAKE_GPUS_ENV: "amd:0"}) == [{}, {}]
+
+
+class _FinishedJob:
+    """A job process that printed nothing and exited 0."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], **_: object) -> None:
+        self.argv, self.env = argv, env
+        self.stdout, self.stderr = io.StringIO(), io.StringIO()
+        self.pid, self.returncode = 0, 0
+
+    def wait(self) -> int:
+        return 0
+
+
+def test_jobs_auto_with_four_gpus_starts_four_jobs_each_pinned_to_its_own(
+        tmp_path: Path, monkeypatch, capsys) -> None:
+    """With fake masks of 4 GPUs, ``--jobs auto`` starts 4 jobs, job k pinned to GPU k-1."""
+    for var in VISIBILITY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(FAKE_GPUS_ENV, "nvidia:4")
+    started: list[_FinishedJob] = []
+    monkeypatch.setattr(jobs_module.subprocess, "Popen",
+                        lambda argv, **kw: started.append(_FinishedJob(argv, **kw))
+                        or started[-1])
+    cli.main(["run", "--jobs", "auto", "--artifacts", str(tmp_path / "artifacts"),
+              "--report", str(tmp_path / "r.json")])
+    assert [job.argv[job.argv.index("--job") + 1] for job in started] == [
+        "1/4", "2/4", "3/4", "4/4"]
+    assert [job.env["CUDA_VISIBLE_DEVICES"] for job in started] == ["0", "1", "2", "3"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["config"]["jobs"] == 4
+    assert report["config"]["job_gpus"] == [f"CUDA_VISIBLE_DEVICES={k}" for k in range(4)]
+    assert "job 4/4: CUDA_VISIBLE_DEVICES=3" in capsys.readouterr().err
