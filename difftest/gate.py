@@ -6,8 +6,10 @@ Every (case id, backend) of the baseline is judged against the candidate. The ga
   result missing from a case;
 * a new failing status: the candidate disagrees, errors or crashes where the baseline did not
   (or fails differently, e.g. a disagreement became a crash);
-* a backend available in the baseline that is unavailable (or absent) in the candidate, and a
-  case it supported that it no longer supports;
+* a backend unavailable (or absent) on either side: one that was asked for and could not
+  run is not a pass, whatever the other side did; and a case it supported that it no longer
+  supports;
+* a case id listed more than once in either report (which entry would be judged?);
 * error/tolerance that grew more than ``max_ratio_growth`` times, where the candidate's
   ratio is above ``ratio_floor`` (tiny ratios jitter without meaning anything);
 * a crash an earlier process of the candidate left behind (``earlier_crashes``).
@@ -22,12 +24,13 @@ Fixed cases and cases new in the candidate are listed but never fail the gate.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from difftest.artifacts import repro_command
 from difftest.fingerprint import comparable
-from difftest.records import FAILING, NOT_RUN, ResultRecord, Status
+from difftest.records import FAILING, NOT_RUN, CaseRecord, ResultRecord, Status
 from difftest.report import case_records
 
 DEFAULT_MAX_RATIO_GROWTH = 2.0
@@ -66,14 +69,16 @@ class GateResult:
 def _judge(base: ResultRecord | None, cand: ResultRecord | None, growth: float,
            floor: float) -> tuple[str, bool]:
     if base is None:
-        return ("new in candidate", False)
+        return ("result missing in baseline", True)
     if cand is None:
         return ("result missing in candidate", True)
     b, c = base.status, cand.status
+    if Status.UNAVAILABLE in (b, c):
+        return ("became unavailable" if b is not Status.UNAVAILABLE
+                else "unavailable in the baseline" if c is not Status.UNAVAILABLE
+                else "unavailable in both", True)
     if c in FAILING and c != b:
         return (f"new {c.value}", True)
-    if c is Status.UNAVAILABLE and b is not Status.UNAVAILABLE:
-        return ("became unavailable", True)
     if c is Status.UNSUPPORTED and b not in NOT_RUN:
         return ("no longer supported", True)
     if b in FAILING and c not in FAILING:
@@ -92,20 +97,16 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
          max_ratio_growth: float = DEFAULT_MAX_RATIO_GROWTH,
          ratio_floor: float = DEFAULT_RATIO_FLOOR) -> GateResult:
     """Compare ``candidate`` with ``baseline`` (two reports over the same case set)."""
-    findings = []
-    for name, entry in sorted(baseline["backends"].items()):
-        cand = candidate["backends"].get(name)
-        if cand is None:
-            findings.append(f"backend {name} is missing from the candidate")
-        elif entry["available"] and not cand["available"]:
-            findings.append(f"backend {name} became unavailable: {cand['reason']}")
+    findings = _backend_findings(baseline["backends"], candidate["backends"])
     for crash in case_records(candidate, "earlier_crashes"):
         replay = (f"replay with {repro_command(crash.artifact, crash.plugins or ())}"
                   if crash.artifact else "no artifact directory")
         findings.append(f"case {crash.case_id} crashed a process before the candidate's run "
                         f"({replay})")
     base_cases = case_records(baseline)
-    cand_cases = {c.case_id: c for c in case_records(candidate)}
+    cand_list = case_records(candidate)
+    findings += _duplicates(base_cases, "baseline") + _duplicates(cand_list, "candidate")
+    cand_cases = {c.case_id: c for c in cand_list}
     base_ids = {c.case_id for c in base_cases}
     rows = []
     for case in base_cases:
@@ -128,6 +129,31 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
             rows.append(GateRow(case.case_id, case.name, "*", None, None, "present",
                                 None, "new case in candidate", False))
     return GateResult(tuple(rows), tuple(findings), len(base_cases))
+
+
+def _backend_findings(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    """A backend absent or unavailable on either side: nothing it was asked for ran there."""
+    findings = []
+    for name in sorted(baseline.keys() | candidate.keys()):
+        base, cand = baseline.get(name), candidate.get(name)
+        if base is None or cand is None:
+            side = "candidate" if cand is None else "baseline"
+            findings.append(f"backend {name} is missing from the {side}")
+        elif base["available"] and not cand["available"]:
+            findings.append(f"backend {name} became unavailable: {cand['reason']}")
+        elif not base["available"] and cand["available"]:
+            findings.append(f"backend {name} was unavailable in the baseline: "
+                            f"{base['reason']} (nothing to compare the candidate with)")
+        elif not base["available"]:
+            findings.append(f"backend {name} is unavailable in both reports: {cand['reason']}")
+    return findings
+
+
+def _duplicates(cases: list[CaseRecord], side: str) -> list[str]:
+    """A case id listed more than once: which entry is the verdict is undecidable."""
+    counts = Counter(c.case_id for c in cases)
+    return [f"case {case_id} is listed {n} times in the {side} (each case once; "
+            "rerun or merge the shards)" for case_id, n in sorted(counts.items()) if n > 1]
 
 
 def _changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

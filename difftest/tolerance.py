@@ -32,25 +32,40 @@ sums and exponentials err by about as much as the rounding, so the rounding term
 them (on the CPU, charging neither gave 2 disagreements, error/tolerance 1.02 and 1.11, in 2000
 correct examples). A bare ``Tolerance(precision)`` charges both.
 
-The tolerance of element ``e`` is ``FACTOR`` times that sum. It never depends on sequence
-length (the accumulation is fp32 and the data is zero-mean), and it needs no atol floor
-beyond ``eta_out`` because ``sum_i p_i |v_i| > 0`` on every attended row. The reference
-dequantises the very values the kernel reads, so fp8 storage error cancels and is not in
-the budget.
+Below float32's normal range a rounding is absolute, not relative (``fl(x) = x(1+d) + e``,
+``|e| <= eta``, Higham thm. 2.3), so an output made of subnormal terms needs the stages that
+can produce subnormals charged by count: each float32 product ``p_i v_i``, each rescaling
+(online softmax, split-K segments) and the normalisation, ``3 n + 1`` for ``n`` attended
+tokens, in the units of the accumulator (times ``v_scale`` where a kernel applies it after);
+and each weight rounded below the normal range of a probability format with float32's
+exponent range, ``eta_p n V`` (``V``: :data:`VALUE_BOUND`). The derivation and what it does
+not charge: docs/tolerance.md.
+
+The tolerance of element ``e`` is ``FACTOR`` times that sum. Its relative part never depends
+on sequence length (the accumulation is fp32 and the data is zero-mean); its absolute floor
+is the underflow above. The reference dequantises the very values the kernel reads, so fp8
+storage error cancels and is not in the budget.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from difftest.backend import Precision, Reference
 from difftest.case import Case
-from difftest.dtypes import underflow_unit, unit_roundoff
+from difftest.dtypes import is_fp8, underflow_unit, unit_roundoff
 
 FACTOR = 3.0
 LOGIT_SIGMAS = 3.0
+# |v| of every value a case attends, in real units: the generator's largest draw (an
+# outlier, 8 x the Irwin-Hall bound 2 sqrt(3); difftest.counter_rng, difftest.inputs) after
+# storage rounding (fp8: 2^-4, then times the scale in float32: 2^-24; bf16/fp16 less)
+VALUE_BOUND = 8 * 2 * math.sqrt(3) * (1 + 2.0**-4) * (1 + 2.0**-23)
+# formats whose subnormals start where float32's do (their weights underflow at 2^-126)
+_FLOAT32_RANGE = ("float32", "tfloat32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -61,15 +76,18 @@ class Tolerance:
     factor: float = FACTOR
     rounds_query: bool = True  # q is rounded to ``precision.operands``
     rounds_kv: bool = True  # the stored K/V are rounded to ``precision.operands``
+    accumulator_scale: float = 1.0  # a scale a kernel may apply after accumulating (v_scale)
 
     @classmethod
     def of(cls, precision: Precision, case: Case) -> Tolerance:
         """The tolerance of ``precision`` on ``case``: q and K/V already of the operand dtype
-        are not charged a rounding."""
+        are not charged a rounding; an fp8 cache's ``v_scale`` may scale the accumulator."""
+        scale = max(1.0, case.v_scale) if is_fp8(case.kv_dtype) else 1.0
         if case.q_scale or unit_roundoff(precision.operands) <= unit_roundoff("float32"):
-            return cls(precision)  # fp8 x fp8 dots on GPUs; float32 accumulation error
+            # fp8 x fp8 dots on GPUs; float32 accumulation error
+            return cls(precision, accumulator_scale=scale)
         return cls(precision, rounds_query=case.query_dtype != precision.operands,
-                   rounds_kv=case.kv_dtype != precision.operands)
+                   rounds_kv=case.kv_dtype != precision.operands, accumulator_scale=scale)
 
     def bound(self, reference: Reference) -> torch.Tensor:
         """Allowed ``|actual - expected|`` for every element, float64."""
@@ -81,8 +99,17 @@ class Tolerance:
         weight_err = (u_p + self.rounds_kv * u_op
                       + torch.expm1(2 * logit_err[..., None]))
         budget = (weight_err * reference.abs_output + u_out * reference.output.abs()
-                  + underflow_unit(self.precision.output))
+                  + self.underflow(reference.context_lens)[:, None, None])
         return self.factor * budget
+
+    def underflow(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """The absolute budget of the roundings below the normal range, per row of
+        ``context_lens`` attended tokens, float64 (docs/tolerance.md)."""
+        n = context_lens.to(torch.float64)
+        stages = underflow_unit("float32") * self.accumulator_scale * (3 * n + 1)
+        p = self.precision.probabilities
+        weights = underflow_unit(p) * VALUE_BOUND * n if p in _FLOAT32_RANGE else 0.0
+        return stages + weights + underflow_unit(self.precision.output)
 
     def describe(self) -> str:
         """One line naming the stages and their unit roundoffs."""

@@ -200,3 +200,59 @@ def test_a_vllm_release_change_is_named_with_its_regressions(tmp_path, capsys, b
     assert f"  backend {BACKEND}: vllm: {before} -> 0.30.0" in out
     assert "environment: identical versions" not in out
     assert "FAIL new disagree" in out
+
+
+def _unavailable(report: dict[str, Any], reason: str) -> dict[str, Any]:
+    report = copy.deepcopy(report)
+    report["backends"][BACKEND] |= {"available": False, "reason": reason}
+    for case in report["cases"]:
+        case["results"][0] |= {"status": "unavailable", "comparison": None,
+                               "output_sha256": None}
+    return report
+
+
+def test_two_runs_where_the_backend_could_not_run_fail(tmp_path, capsys, baseline) -> None:
+    """``$DIFFTEST_VLLM`` naming a release that is not fetched: the backend is unavailable on
+    both sides, the versions are identical, and still nothing was tested."""
+    reason = "vLLM release ../../etc is not fetched"
+    nothing = _unavailable(baseline, reason)
+    code, out = _gate(tmp_path, capsys, nothing, copy.deepcopy(nothing))
+    assert code == 1
+    assert f"FAIL backend {BACKEND} is unavailable in both reports: {reason}" in out
+    assert out.count("FAIL unavailable in both") == 2
+    assert "GATE FAILED" in out
+
+
+def test_a_baseline_where_the_backend_could_not_run_fails(tmp_path, capsys, baseline) -> None:
+    code, out = _gate(tmp_path, capsys, _unavailable(baseline, "no vLLM"),
+                      copy.deepcopy(baseline))
+    assert code == 1
+    assert (f"FAIL backend {BACKEND} was unavailable in the baseline: no vLLM (nothing to "
+            "compare the candidate with)") in out
+    assert out.count("FAIL unavailable in the baseline") == 2
+
+
+def test_a_backend_missing_from_the_baseline_fails(tmp_path, capsys, baseline) -> None:
+    base = copy.deepcopy(baseline)
+    del base["backends"][BACKEND]
+    for case in base["cases"]:
+        case["results"] = []
+    code, out = _gate(tmp_path, capsys, base, copy.deepcopy(baseline))
+    assert code == 1
+    assert f"FAIL backend {BACKEND} is missing from the baseline" in out
+    assert out.count("FAIL result missing in baseline") == 2
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_a_duplicated_case_id_fails(tmp_path, capsys, baseline, side) -> None:
+    """A candidate listing a case as ``disagree`` and then as ``agree`` used to pass on its
+    last entry."""
+    doubled = copy.deepcopy(baseline)
+    first = copy.deepcopy(doubled["cases"][0])
+    first["results"][0]["status"] = "disagree"
+    doubled["cases"].insert(0, first)
+    pair = (baseline, doubled) if side == "candidate" else (doubled, baseline)
+    code, out = _gate(tmp_path, capsys, *pair)
+    assert code == 1
+    assert (f"FAIL case {first['case_id']} is listed 2 times in the {side} (each case once; "
+            "rerun or merge the shards)") in out

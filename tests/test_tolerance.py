@@ -1,11 +1,15 @@
-"""The tolerance model: relative rounding per stage, plus the output dtype's underflow."""
+"""The tolerance model: relative rounding per stage, plus the underflow of the stages that
+can produce subnormals."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from difftest.backend import Precision
 from difftest.backends.torch_ref import TorchReference
@@ -13,7 +17,7 @@ from difftest.casefile import read_case
 from difftest.dtypes import underflow_unit
 from difftest.registry import discover
 from difftest.runner import Status, run_case
-from difftest.tolerance import FACTOR, Reference, Tolerance
+from difftest.tolerance import FACTOR, VALUE_BOUND, Reference, Tolerance
 
 
 def _reference(value: float) -> Reference:
@@ -99,3 +103,94 @@ def test_float32_operands_are_charged_both_sides(backend: str) -> None:
     assert Tolerance.of(precision, case) == Tolerance(precision)
     result = run_case(case, TorchReference(), [discover()[backend]], torch.device("cpu"))
     assert result.results[0].status is Status.AGREE, result.results[0].detail
+
+
+# ----- the bottom of float32's range (docs/tolerance.md) ---------------------------------
+
+SUBNORMAL_CASE = "fp32-subnormal-outputs-split-k"
+
+
+def test_subnormal_outputs_of_the_issue_case_agree_and_need_the_stage_count() -> None:
+    """The 3-D (split-K) kernel's float32 products, rescalings and normalisation each round
+    below float32's normal range: on this case (float32 queries, fp8 cache with v_scale
+    31.62, outliers, window 28) element (row 10, head 47, dim 10) comes out -8.968e-44
+    against -8.697e-44, two subnormal spacings off, more than the output's own underflow
+    allows; the stage count covers it."""
+    from difftest.backend import RunInputs
+    from difftest.cases.corpus import load_corpus
+
+    case = next(c for c in load_corpus() if c.name == SUBNORMAL_CASE)
+    backend = discover()["triton-unified"]
+    inputs = RunInputs(case, torch.device("cpu"))
+    truth = TorchReference().reference(inputs)
+    actual = backend.run(inputs).to(torch.float64)
+    tolerance = Tolerance.of(backend.precision(case, inputs.device), case)
+    active = (truth.context_lens > 0)[:, None, None].expand_as(truth.output)
+    error = torch.where(active, (actual - truth.output).abs(), torch.zeros_like(actual))
+    tiny = truth.output.abs() < torch.finfo(torch.float32).smallest_normal
+    output_floor = FACTOR * underflow_unit("float32")
+    assert bool((error[tiny] > output_floor).any())  # the output's underflow alone fails
+    assert bool((error <= tolerance.bound(truth)).all())
+    result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.AGREE, result.results[0].detail
+
+
+def _flash_decode(logits: np.ndarray, values: np.ndarray, tile: int, segments: int,
+                  scale: float) -> np.ndarray:
+    """A float32 split-K flash decode of one row: per segment an online softmax over tiles
+    (``exp``, products, rescalings in float32), then the segments rescaled to the overall
+    maximum, summed, divided by the overall sum and multiplied by ``scale`` (a v_scale
+    applied after accumulating)."""
+    f32 = np.float32
+    parts = np.array_split(np.arange(len(logits)), segments)
+    accs, maxima, sums = [], [], []
+    for part in (p for p in parts if len(p)):
+        m, total, acc = f32(-np.inf), f32(0), np.zeros(values.shape[1], f32)
+        for start in range(0, len(part), tile):
+            idx = part[start:start + tile]
+            new_m = max(m, logits[idx].max())
+            alpha = np.exp(f32(m - new_m)) if np.isfinite(m) else f32(0)
+            p = np.exp((logits[idx] - new_m).astype(f32))
+            acc = acc * alpha + (p[:, None] * values[idx]).sum(axis=0, dtype=f32)
+            total = total * alpha + p.sum(dtype=f32)
+            m = new_m
+        accs.append(acc)
+        maxima.append(m)
+        sums.append(total)
+    top = max(maxima)
+    factors = [np.exp(f32(m - top)) for m in maxima]
+    acc = sum((a * f for a, f in zip(accs, factors, strict=True)), np.zeros_like(accs[0]))
+    total = f32(sum(s * f for s, f in zip(sums, factors, strict=True)))
+    return (acc / total) * f32(scale)
+
+
+@settings(deadline=None)
+@given(st.data())
+def test_subnormal_stage_count_bounds_a_float32_flash_decode(data: st.DataObject) -> None:
+    """Property: a float32 split-K flash decode whose output is made of subnormal terms (the
+    dominant token's value is 0, the others' weights are below 2^-126) stays within the
+    tolerance of float32 operands, for any tiling, segmenting and post-accumulation scale."""
+    n = data.draw(st.integers(2, 48), label="tokens")
+    tile = data.draw(st.integers(1, 16), label="tile")
+    segments = data.draw(st.integers(1, min(n, 16)), label="segments")
+    scale = data.draw(st.sampled_from([1.0, 31.62, 1000.0]), label="v_scale")
+    gaps = data.draw(st.lists(st.floats(75.0, 110.0), min_size=n - 1, max_size=n - 1))
+    raw = data.draw(st.lists(st.floats(-VALUE_BOUND, VALUE_BOUND), min_size=(n - 1) * 4,
+                             max_size=(n - 1) * 4))
+    logits = np.concatenate([[0.0], -np.array(gaps)]).astype(np.float32)
+    stored = np.concatenate([np.zeros((1, 4)), np.array(raw).reshape(n - 1, 4)]) / scale
+    values = stored.astype(np.float32)
+    order = np.array(data.draw(st.permutations(range(n)), label="order"))
+    logits, values = logits[order], values[order]
+    actual = _flash_decode(logits, values, tile, segments, scale).astype(np.float64)
+    p = np.exp(logits.astype(np.float64) - logits.max())
+    p /= p.sum()
+    v = values.astype(np.float64) * scale
+    expected = p @ v
+    reference = Reference(torch.from_numpy(expected).reshape(1, 1, 4),
+                          torch.from_numpy(p @ np.abs(v)).reshape(1, 1, 4),
+                          torch.zeros(1, 1, dtype=torch.float64),
+                          torch.tensor([n], dtype=torch.int32))
+    precision = Precision("float32", "float32", "float32")
+    bound = Tolerance(precision, accumulator_scale=scale).bound(reference).flatten().numpy()
+    assert (np.abs(actual - expected) <= bound).all(), (actual, expected, bound)
