@@ -22,7 +22,9 @@ if [ ! -x "$IMAGE/bin/python" ]; then
   "$IMAGE/bin/python" "${PIP[@]}" torch==2.14.1 triton==3.8.0 numpy packaging regex dill \
     "hypothesis>=6.100" "setuptools>=68" "pytest>=7.4"
   "$IMAGE/bin/python" "${PIP[@]}" --no-deps vllm==0.34.0
-  site=$("$IMAGE/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+fi
+site=$("$IMAGE/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if [ ! -d "$site/aiter" ]; then
   mkdir -p "$site/aiter" "$site/aiter-0.0.0+difftest.standin.dist-info"
   cat > "$site/aiter/__init__.py" <<'PY'
 """A stand-in for AITER in difftest's runner-image CI leg: no kernels, no gluon."""
