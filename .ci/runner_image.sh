@@ -36,14 +36,28 @@ fi
 echo "runner image: $("$IMAGE/bin/python" -c "import torch, triton, vllm, importlib.metadata as m
 print(f'torch {torch.__version__}, triton {triton.__version__}, vllm {vllm.__version__}, aiter {m.version(\"aiter\")}')" 2>/dev/null)"
 
-# Setup over the image: online (adds pytest-xdist and the project to the venv), then offline.
+offline() {
+  env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_NO_INDEX=1 \
+    PIP_CONFIG_FILE=/dev/null PYTHON="$IMAGE/bin/python" "$@"
+}
+one_line() {  # setup's output must be its one summary line
+  echo "$1"
+  [ "$(echo "$1" | wc -l)" -eq 1 ] && grep -q '^setup (runtime+test): ' <<<"$1" || {
+    echo "ci image: setup printed more than its one summary line"; exit 1; }
+}
 freeze_before=$("$IMAGE/bin/python" -m pip freeze --all)
 stamp=$WORK/before-setup.stamp
 touch "$stamp"
 sleep 1
-PYTHON=$IMAGE/bin/python DIFFTEST_VENV=$VENV bash scripts/setup.sh --test
-env -u PIP_FIND_LINKS -u PIP_EXTRA_INDEX_URL -u PIP_INDEX_URL PIP_NO_INDEX=1 PIP_CONFIG_FILE=/dev/null \
-  PYTHON=$IMAGE/bin/python DIFFTEST_VENV=$VENV bash scripts/setup.sh --test
+# Air-gapped first: the image has pytest but no pytest-xdist; setup and scripts/test.sh work
+# without it (one process).
+rm -rf "$WORK/venv-offline"
+one_line "$(offline DIFFTEST_VENV="$WORK/venv-offline" bash scripts/setup.sh --test 2>&1)"
+offline DIFFTEST_VENV="$WORK/venv-offline" bash scripts/test.sh -q -p no:cacheprovider \
+  tests/test_setup.py
+# Online: setup adds pytest-xdist and the project to the venv; then offline again.
+one_line "$(PYTHON=$IMAGE/bin/python DIFFTEST_VENV=$VENV bash scripts/setup.sh --test 2>&1)"
+one_line "$(offline DIFFTEST_VENV="$VENV" bash scripts/setup.sh --test 2>&1)"
 changed=$(find "$IMAGE" -newer "$stamp" -type f -not -path '*/__pycache__/*' | head -n 5)
 if [ "$freeze_before" != "$("$IMAGE/bin/python" -m pip freeze --all)" ] || [ -n "$changed" ]; then
   echo "ci image: setup changed the image:"; echo "$changed"

@@ -205,8 +205,9 @@ def missing_line(shown: list[str], actual: list[str]) -> str | None:
     return None
 
 
-def run_doc(doc: Doc, env: dict[str, str]) -> tuple[list[str], dict[int, tuple[int, list[str]]]]:
-    """Run every command of ``doc`` that is not skipped in one bash session.
+def run_doc(doc: Doc, env: dict[str, str], cwd: Path = ROOT,
+            ) -> tuple[list[str], dict[int, tuple[int, list[str]]]]:
+    """Run every command of ``doc`` that is not skipped in one bash session, in ``cwd``.
 
     Returns the skip lines and, by command index, its exit status and output lines.
     """
@@ -216,9 +217,9 @@ def run_doc(doc: Doc, env: dict[str, str]) -> tuple[list[str], dict[int, tuple[i
         script += [f"printf '\\n{MARK} begin {n}\\n'", "(exit $__status)",
                    "{", command.text, "} </dev/null 2>&1", "__status=$?",
                    f"printf '\\n{MARK} end {n} %d\\n' $__status"]
-    shutil.rmtree(ROOT / SCRATCH, ignore_errors=True)
-    (ROOT / SCRATCH).mkdir()
-    process = subprocess.Popen(["bash"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+    shutil.rmtree(cwd / SCRATCH, ignore_errors=True)
+    (cwd / SCRATCH).mkdir()
+    process = subprocess.Popen(["bash"], cwd=cwd, env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdin is not None and process.stdout is not None
     process.stdin.write("\n".join(script) + "\n")
@@ -248,9 +249,9 @@ def run_doc(doc: Doc, env: dict[str, str]) -> tuple[list[str], dict[int, tuple[i
         {id(c): results[n] for n, c in enumerate(commands) if n in results}
 
 
-def check(doc: Doc, env: dict[str, str]) -> list[str]:
-    """Run ``doc`` and return what differs from what it shows."""
-    skips, results = run_doc(doc, env)
+def check(doc: Doc, env: dict[str, str], cwd: Path = ROOT) -> list[str]:
+    """Run ``doc`` in ``cwd`` and return what differs from what it shows."""
+    skips, results = run_doc(doc, env, cwd)
     for line in skips:
         print(line)
     problems: list[str] = []
