@@ -26,11 +26,13 @@ Prints one line per command and block; exit status 1 when anything differs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -220,31 +222,35 @@ def run_doc(doc: Doc, env: dict[str, str], cwd: Path = ROOT,
     shutil.rmtree(cwd / SCRATCH, ignore_errors=True)
     (cwd / SCRATCH).mkdir()
     process = subprocess.Popen(["bash"], cwd=cwd, env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
     assert process.stdin is not None and process.stdout is not None
-    process.stdin.write("\n".join(script) + "\n")
-    process.stdin.close()
     results: dict[int, tuple[int, list[str]]] = {}
-    current: list[str] = []
-    started = time.monotonic()
-    deadline = started + DOC_TIMEOUT_S
-    for raw in process.stdout:
-        line = raw.rstrip("\n")
-        if line.startswith(f"{MARK} begin "):
-            current, started = [], time.monotonic()
-            n = int(line.split()[2])
-            first = commands[n].text.splitlines()[0] if commands[n].text else ""
-            print(f"{doc.path.name}:{commands[n].line}: $ {first[:100]}", flush=True)
-        elif line.startswith(f"{MARK} end "):
-            _, _, n_text, status = line.split()
-            results[int(n_text)] = (int(status), current)
-            print(f"  exit {status}, {time.monotonic() - started:.1f} s", flush=True)
-        else:
-            current.append(line)
-        if time.monotonic() > deadline:
-            process.kill()
-            break
-    process.wait()
+    try:
+        process.stdin.write("\n".join(script) + "\n")
+        process.stdin.close()
+        current: list[str] = []
+        started = time.monotonic()
+        deadline = started + DOC_TIMEOUT_S
+        for raw in process.stdout:
+            line = raw.rstrip("\n")
+            if line.startswith(f"{MARK} begin "):
+                current, started = [], time.monotonic()
+                n = int(line.split()[2])
+                first = commands[n].text.splitlines()[0] if commands[n].text else ""
+                print(f"{doc.path.name}:{commands[n].line}: $ {first[:100]}", flush=True)
+            elif line.startswith(f"{MARK} end "):
+                _, _, n_text, status = line.split()
+                results[int(n_text)] = (int(status), current)
+                print(f"  exit {status}, {time.monotonic() - started:.1f} s", flush=True)
+            else:
+                current.append(line)
+            if time.monotonic() > deadline:
+                break
+    finally:  # the session and every command it started end with the check
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
     return [f"{doc.path.name}:{b.line}: skipped: {b.skip}" for b in doc.blocks if b.skip], \
         {id(c): results[n] for n, c in enumerate(commands) if n in results}
 
