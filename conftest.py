@@ -1,30 +1,14 @@
 """Project conftest: the difftest plugin itself is loaded through its pytest11 entry point.
 
-Under ``pytest -n N`` each worker sets ``OMP_NUM_THREADS`` to its share of the cores (unless it
-is set), before torch or numpy is imported: torch and numpy's OpenBLAS in the worker take that
-many threads, and so do the processes its tests start (``difftest`` CLI runs, nested pytest
-runs), which by default took every core while the other workers computed. Their spinning
-threads doubled such a process's CPU time on a 2-core machine (the Hypothesis test of
-tests/test_crash_and_repro.py, its child alone: 9.9 and 14.6 s beside a busy core, 5.5 and
-5.3 s with one thread). The worker's torch threads are unchanged
-(:func:`difftest.devices.share_cpu_threads` gives it the same share).
-
-Every test's setup and call run below one large frame, :func:`below_a_large_frame`.
-CPython 3.11+ keeps frames in data-stack chunks of 16 KiB, maps a new chunk when a call does not
-fit in the current one and unmaps it as soon as that call returns. Where the Triton
-interpreter's loops (vLLM's kernels on the CPU) run across a chunk boundary, which depends only
-on how deep pytest, Hypothesis and the test put them, every call there maps and unmaps a chunk:
-one mutant test made 448,000 mmap/munmap pairs and 675,000 page faults, 3.4 s of system time
-in 12.6 s. A frame larger than any 16 KiB chunk holds gets a chunk of its own: its slots plus 1000,
-rounded up to 16 KiB times a power of two (CPython's ``push_chunk``). With those just past
-128 KiB the chunk is 256 KiB and leaves about 17,000 slots (136 KiB) free, so the phase's calls
-stay in it and the chunk is mapped once per phase. Python 3.10 has no chunks (frames are heap
-objects): there the frame is one allocation per phase.
+Here: each xdist worker's share of the cores (``OMP_NUM_THREADS``), a wall-clock limit on every
+test, and every test phase run below one large frame. docs/performance.md#the-test-processes
+says why each is there and what it saved.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import types
 from collections.abc import Callable, MutableMapping
 from typing import TYPE_CHECKING
@@ -37,7 +21,7 @@ if TYPE_CHECKING:
 
 def share_cores_in_workers(environ: MutableMapping[str, str] = os.environ) -> None:
     """In an xdist worker, set ``OMP_NUM_THREADS`` to the cores divided by the workers (at
-    least 1), unless it is set (module docstring)."""
+    least 1), unless it is set."""
     workers = environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
         environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
@@ -46,7 +30,7 @@ def share_cores_in_workers(environ: MutableMapping[str, str] = os.environ) -> No
 share_cores_in_workers()  # at import: conftests load before any plugin imports torch
 
 # Slots of the large frame (8 bytes each): past 16384 - 1000, so CPython's chunk for it is
-# 32768 slots (256 KiB) and ~17,000 stay free for the calls below it.
+# 32768 slots (256 KiB) and ~17,000 stay free for the calls below it (docs/performance.md).
 LARGE_FRAME_SLOTS = 2**14 - 1000 + 16
 
 
@@ -59,13 +43,62 @@ below_a_large_frame: Callable[[Callable[[], None]], None] = types.FunctionType(
 below_a_large_frame.__doc__ = "``phase()``, called from a frame of ``LARGE_FRAME_SLOTS`` slots."
 
 
+# The longest a test's setup or call may run, in seconds (DIFFTEST_TEST_TIME_LIMIT; 0: none).
+# The slowest test of the CPU suite takes about a minute on a busy 2-core machine.
+TEST_TIME_LIMIT_ENV = "DIFFTEST_TEST_TIME_LIMIT"
+DEFAULT_TEST_TIME_LIMIT = 300.0
+
+
+class TimeLimitExceeded(BaseException):
+    """A test phase ran past the limit. A BaseException, so that Hypothesis neither counts it
+    as a failing example nor starts shrinking: the test stops at once and fails with this."""
+
+
+def time_limit_from_env(environ: MutableMapping[str, str] = os.environ) -> float:
+    """The per-phase limit in seconds from ``DIFFTEST_TEST_TIME_LIMIT`` (0 turns it off)."""
+    text = environ.get(TEST_TIME_LIMIT_ENV, str(DEFAULT_TEST_TIME_LIMIT))
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = -1.0
+    if not limit >= 0:
+        raise pytest.UsageError(f"{TEST_TIME_LIMIT_ENV}={text!r} is not a number of seconds "
+                                "(allowed: >= 0; 0 turns the limit off)")
+    return limit
+
+
+def within_time_limit(phase: Callable[[], None], limit: float, what: str) -> None:
+    """``phase()``, stopped with :class:`TimeLimitExceeded` after ``limit`` seconds."""
+    if limit <= 0 or not hasattr(signal, "setitimer"):
+        phase()
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise TimeLimitExceeded(f"{what} ran past {limit:g} s ({TEST_TIME_LIMIT_ENV}; "
+                                    "a search without a bound, or a hang)")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        phase()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run each item's setup and call below a large frame (module docstring)."""
+    """Run each item's setup and call below a large frame, each within the time limit."""
+    limit = time_limit_from_env()
     for item in items:
         for name in ("setup", "runtest"):
             phase = getattr(item, name)
-            setattr(item, name, lambda phase=phase: below_a_large_frame(phase))
+            what = f"{item.nodeid} ({name})"
+
+            def bounded(phase: Callable[[], None] = phase, what: str = what) -> None:
+                below_a_large_frame(lambda: within_time_limit(phase, limit, what))
+
+            setattr(item, name, bounded)
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,9 @@ over a set of cases; :func:`blind_spots` lists the arguments that are neither fi
 Signatures: vLLM 0.33.0's ``vllm/v1/attention/ops/triton_unified_attention.py`` and
 ``vllm/models/minimax_m3/{common/ops/sparse_attn,amd/ops/sparse_pa}.py``; AITER's
 ``pa_decode_gluon`` as in ``aiter/ops/triton/gluon/pa_decode_gluon.py`` L5195-5216 (commit
-37b5395e, /work/shared/reference/aiter-pa-decode-gluon.md section 1). tests/test_audit.py
+37b5395e). tests/test_audit.py
 checks the lists against the signatures installed. The shape facts of :data:`DIMENSIONS`:
-/work/shared/reference/minimax-m3-sparse-decode.md sections 1, 3 and 5 and
-aiter-pa-decode-gluon.md sections 1 and 2.
+MiniMax-M3's LBHNC cache (README.md) and the shapes ``pa_decode_gluon`` asserts.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 #
 #   bash scripts/setup.sh          the main job's needs (difftest run): torch, triton, vLLM and
 #                                  the small packages they and difftest import
-#   bash scripts/setup.sh --test   those plus the test tools: pytest, pytest-xdist (required),
+#   bash scripts/setup.sh --test   those plus the test tools: pytest (required), pytest-xdist,
 #                                  ruff and matplotlib (skipped when offline and missing)
 #
 # Every requirement is looked up in the venv's python first and installed only when missing;
@@ -14,6 +14,8 @@
 # version that runs vLLM's kernels, docs/findings.md F2) and vLLM 0.33.0's sources without its
 # serving dependencies. Never installs the PyPI package "aiter" (an unrelated project).
 # Offline (PIP_NO_INDEX=1) it succeeds when the needs are present, installing nothing.
+# Where vLLM was already there (an image's, installed without its serving dependencies), it
+# checks that vLLM's MiniMax-M3 kernel modules import and names the backends left unavailable.
 #
 # Environment: PYTHON (the interpreter the venv is made from, default python3), DIFFTEST_VENV
 # (the venv directory, default .venv in the checkout).
@@ -77,7 +79,7 @@ REQUIREMENTS = [
     ("hypothesis", "hypothesis>=6.100", "runtime", "deps"),
     ("setuptools", "setuptools>=68", "runtime", "deps"),
     ("pytest", "pytest>=7.4", "test", "deps"),
-    ("xdist", "pytest-xdist>=3.5", "test", "deps"),
+    ("xdist", "pytest-xdist>=3.5", "test", "optional"),
     ("ruff", "ruff>=0.6", "test", "optional"),
     ("matplotlib", "matplotlib>=3.7", "test", "optional"),
 ]
@@ -112,7 +114,7 @@ def pip(*args: str) -> None:
     ignored") is not an error either. Every other line pip writes is passed on.
     """
     command = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-               "--no-warn-conflicts", *args]
+               "--no-warn-conflicts", "--progress-bar", "off", *args]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     for line in process.stderr:
         if not IGNORED_LOCATION.match(line):
@@ -196,11 +198,40 @@ else:
     stamp.write_text(wanted)
     project = "difftest editable (installed)"
 
+# A reused vLLM may lack modules its kernels import (an image's vLLM without its serving
+# dependencies): ask the backends, once per vLLM install and project state.
+KERNEL_PROBE = """
+from difftest import devices, registry
+devices.prepare_runtime(devices.resolve("auto"))
+lacking = [f"{name} ({b.availability().reason})" for name, b in registry.discover().items()
+           if not b.availability().available and "which this environment lacks" in
+           b.availability().reason]
+print("; ".join(lacking))
+"""
+kernels = ""
+vllm_found = installed("vllm")
+if vllm_found is not None and "vllm==0.33.0" not in installed_now:
+    key = f"{wanted.strip()} {vllm_found} {importlib.util.find_spec('vllm').origin}\n"
+    note_file = Path(sys.prefix) / "difftest-kernels.note"
+    if note_file.is_file() and note_file.read_text().startswith(key):
+        lacking = note_file.read_text()[len(key):].strip()
+    else:
+        probe = subprocess.run([sys.executable, "-c", KERNEL_PROBE], capture_output=True,
+                               text=True, check=False)
+        if probe.returncode != 0:
+            sys.exit(f"setup: probing the backends failed:\n{probe.stderr}")
+        lacking = probe.stdout.strip()
+        note_file.write_text(key + lacking + "\n")
+    if lacking:
+        kernels = f"vLLM {vllm_found[1]} kernels import partly, unavailable: {lacking}"
+
 parts = [os.environ["VENV_NOTE"]] if os.environ["VENV_NOTE"] else []
 parts.append("reused " + (", ".join(reused) or "nothing"))
 parts.append("installed " + (", ".join(installed_now) or "nothing"))
 if skipped:
     parts.append("not installed (offline; tests that need them skip): " + ", ".join(skipped))
 parts.append(project)
+if kernels:
+    parts.append(kernels)
 print(f"setup ({'+'.join(groups)}): " + "; ".join(parts))
 PY

@@ -10,4 +10,9 @@ if python -c "import ruff" >/dev/null 2>&1; then
 else
   echo "test: ruff is not installed (offline setup), lint not run"
 fi
-python -m pytest -n "${DIFFTEST_WORKERS:-2}" "$@"
+if python -c "import xdist" >/dev/null 2>&1; then
+  python -m pytest -n "${DIFFTEST_WORKERS:-2}" "$@"
+else
+  echo "test: pytest-xdist is not installed (offline setup), the tests run in one process"
+  python -m pytest "$@"
+fi

@@ -17,6 +17,7 @@ from difftest.backends.aiter_gluon import (
 )
 from difftest.backends.pa_decode_gluon_emulator import DEFAULT_REVISION, make_emulator
 from difftest.backends.torch_ref import TorchReference
+from difftest.backends.vllm_imports import kernel_availability
 from difftest.case import Case
 from difftest.cases.corpus import load_corpus
 from difftest.cases.strategies import cases
@@ -222,7 +223,12 @@ def test_difftest_backends_lists_the_real_ones_as_unavailable(
     for name in ("aiter-gluon", "vllm-aiter"):
         assert lines[name].split()[1] == "unavailable"
         assert lines[name].endswith(aiter_availability().reason)
-    for name in ("aiter-gluon@emulated", "vllm-aiter@emulated"):
+    assert lines["aiter-gluon@emulated"].split()[1] == "available"
+    kernel = kernel_availability("amd.ops.sparse_pa")  # vLLM without a module it imports
+    if not kernel.available:
+        assert lines["vllm-aiter@emulated"].split()[1] == "unavailable"
+        assert lines["vllm-aiter@emulated"].endswith(kernel.reason)
+    for name in ("aiter-gluon@emulated", "vllm-aiter@emulated")[:1 + kernel.available]:
         assert lines[name].split()[1] == "available"
         assert "emulator_revision v0.1.26" in lines[name] and "not AITER" in lines[name]
 

@@ -30,7 +30,6 @@ from difftest.registry import discover, select
 CPU = torch.device("cpu")
 
 # AITER pa_decode_gluon, aiter/ops/triton/gluon/pa_decode_gluon.py L5195-5216 at 37b5395e
-# (/work/shared/reference/aiter-pa-decode-gluon.md, section 1)
 AITER_PA_DECODE_GLUON = (
     "output", "query", "key_cache", "value_cache", "context_lengths", "block_tables",
     "softmax_scale", "query_length", "max_context_partition_num", "context_partition_size",

@@ -3,7 +3,7 @@ build_cache, in every sequence of cases; its Triton writer gives the torch path'
 
 Bytes are compared as uint8 views, so NaN payloads count. The Triton kernel runs under the
 interpreter in a CPU session (TRITON_INTERPRET=1, set by the CPU runtime) and compiled on a
-GPU (the CUDA tests; the lead runs ``python -m pytest tests/test_cache_reuse.py`` on the H200).
+GPU (the CUDA tests: ``python -m pytest tests/test_cache_reuse.py`` on a GPU machine).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch
 from difftest.backends.aiter_gluon import aiter_availability
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_aiter import VllmAiter
-from difftest.backends.vllm_imports import vllm_version
+from difftest.backends.vllm_imports import kernel_availability, vllm_version
 from difftest.cases.corpus import load_corpus
 from difftest.runner import Status, run_case
 
@@ -47,6 +47,16 @@ def device(difftest_session) -> torch.device:
     return difftest_session.device
 
 
+@pytest.fixture
+def sparse_pa() -> None:
+    """vLLM's ``amd.ops.sparse_pa`` must import here; where the installed vLLM lacks a module it
+    needs (installed without its serving dependencies), the test skips naming that module."""
+    kernel = kernel_availability("amd.ops.sparse_pa")
+    if not kernel.available:
+        pytest.skip(kernel.reason)
+
+
+@pytest.mark.usefixtures("sparse_pa")
 def test_vllm_with_the_fix_agrees_on_the_reported_case(device: torch.device) -> None:
     """The installed vLLM (0.33.0 in CI) runs the report's case through its own builder and
     ``_run_gluon_decode`` on the default (asserting) contract, and agrees; so do the dense
@@ -66,6 +76,7 @@ def test_vllm_with_the_fix_agrees_on_the_reported_case(device: torch.device) -> 
     assert "aiter" not in sys.modules  # the fake modules are gone after the call
 
 
+@pytest.mark.usefixtures("sparse_pa")
 def test_empty_rows_zeroed_by_the_emulated_reduce(device: torch.device) -> None:
     """vLLM asks for 8 partitions at this batch size: empty rows come back 0 (gfx942)."""
     case = CORPUS["padded-request-and-empty-selection-fnuz"].replace(query_dtype="float16")

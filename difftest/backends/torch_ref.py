@@ -1,64 +1,10 @@
 """``torch-ref``: the float64 reference, computed from the logical tokens.
 
 It never reads the physical cache or its views: each query row gathers the stored K/V of the
-tokens the framework's sparse table says it attends, straight from the generated per-block
-data, dequantises them (``stored * scale`` in float64, the scale applied to the sums) and
-runs a plain softmax.
-
-All rows at once (in chunks of at most ``ELEMENTS_PER_CHUNK`` gathered values, which only
-very large cases need): each row's segments (``data.segments``) are gathered as whole
-128-token blocks, ``[rows, width * 128, D]``, and the tokens past a segment's length (or
-outside the window) are masked, so there is no Python per row and no host synchronisation.
-The output (logits, softmax, ``P V``) is float64: on an H200 float64 GEMMs run at float32's
-rate (tensor-core DGEMM), and a float32 reference would use up the whole budget of a float32
-backend (3.6e-7 of ``sum p|v|``). The old per-chunk, per-token formulation computes the same
-sums in another order and scales every value before summing; how far the two may differ is
-derived in ``docs/performance.md`` and checked by ``tests/test_reference_fast.py``.
-On a GPU the gathers and GEMMs are two fused Triton kernels instead
-(:mod:`backends._reference_triton`, reading fp8 blocks as bytes and others as float32): the
-same float64 and float32 sums in other orders, the same scale, softcap and softmax in torch;
-``tests/test_reference_fast.py`` checks them against the old formulation within the same
-bounds on the GPU and, under the interpreter, on the CPU.
-
-The two magnitudes the tolerance needs, ``A = sum_i p_i |v_i|`` (``abs_output``) and
-``M = max_i ||q o k_i||_2 * scale`` (``logit_magnitude``), are sums of nonnegative terms
-computed in float32 (GEMMs in full float32: TF32 and oneDNN's reduced modes are switched off
-around them) and returned as float64; they only size the tolerance. Their error against the
-float64 formulation (kept as the oracle in ``tests/test_reference_magnitudes.py``), with
-``u = 2^-24``, ``w = 2^-53`` and ``g(n, u) = n u / (1 - n u)``:
-
-* ``A``: ``fl32(p_i) = p_i (1 + a)``, ``|a| <= u`` (or an absolute ``2^-150`` below float32's
-  normal range); ``|v_i|`` of a bf16/fp16/fp8 value is exact in float32. Each 128-token
-  block's sum is one float32 GEMM: the product and the at most ``B - 1`` additions (any
-  order, with or without FMA) put every term within a factor ``(1 + u)^(B + 1)`` of its exact
-  value (``B = 128``), and since all terms are nonnegative the block's sum is within
-  ``g(B + 1, u)`` relatively; the blocks' sums are added in float64 (``g(W, w)``, ``W`` blocks).
-  The float64 formulation is within ``g(L, w)``, ``L = 128 W``, and both are scaled by
-  ``v_scale`` in float64: ``|A32 - A64| <= (g(B + 1, u) + 2 g(L + 2, w)) A64
-  + L 2^-126 max(1, max|v|) v_scale`` (the last term covers a GEMM that flushes subnormal
-  weights or products): ``7.7e-6`` relatively, at any length (one float32 GEMM over all
-  2048 tokens of a production row would allow ``1.2e-4`` and moved the greatest
-  error/tolerance of 4 of the 412 verdicts of ``tests/test_bit_identical.py`` by more than
-  1e-6, up to 1.6e-6; per block, at most 6.6e-7).
-* ``M``: ``q^2`` of a bf16/fp16 query and ``k^2`` of a bf16/fp16/fp8 value are exact in
-  float32 (8-/11-bit significands squared; exact while ``2^-63 <= |x| < 2^64``, which generated
-  data never leaves), float32 and fp8 (float64 ``stored * q_scale``) queries cost up to three
-  roundings; the products and ``D - 1`` additions bring ``g(D + 3, u)`` on the sum ``S``, and
-  ``sqrt`` halves it. ``sqrt``, the positive scale and the softcap are monotone, so the max
-  over tokens is taken on the float32 sums and commutes with them exactly; the float64 side
-  adds ``g(D + 6, w)``: ``|M32 - M64| <= (g(D + 3, u) + g(D + 6, w)) M64``, ``7.8e-6`` for
-  ``D = 128``.
-
-A tolerance is ``3 (e_w A + u_out |o| + eta)`` with ``e_w = u_p + u_kv + expm1(x)``,
-``x = 2 r u_op 3 M``; with ``A`` and ``M`` off by relative ``rho_A`` and ``rho_M`` it moves by
-at most ``(1 + rho_A) exp((1 + x) rho_M) - 1`` relatively (``log expm1`` has slope
-``1 + 1 / expm1(x) <= 1 + 1 / x``), plus ``3 e_w`` times ``A``'s absolute term.
-
-Kernel modes: a logit softcap ``c`` maps each scaled logit ``s`` to ``c * tanh(s / c)``
-(float64 ``tanh``, which saturates at any ``|s / c|``); a sliding window ``W`` masks every
-attended token but the row's last ``W``. A kernel that evaluates the softcap's ``tanh`` from
-exponentials in its working precision loses about ``c * u`` absolutely on each logit, so the
-logit magnitude handed to the tolerance grows by ``c``.
+tokens the framework's sparse table says it attends, dequantises them and runs a plain
+softmax, all rows at once, in float64; on a GPU through two fused Triton kernels. It also
+returns the two magnitudes the tolerance needs (``abs_output``, ``logit_magnitude``), summed
+in float32. The formulation, the kernel modes and the error bounds: docs/reference.md.
 """
 
 from __future__ import annotations

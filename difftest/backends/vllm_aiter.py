@@ -35,6 +35,7 @@ from difftest.backends.aiter_gluon import (
 from difftest.backends.pa_decode_gluon_emulator import installed_as_aiter
 from difftest.backends.vllm_imports import (
     import_minimax_m3,
+    kernel_availability,
     minimax_m3_loading,
     triton_availability,
     vllm_location,
@@ -76,11 +77,14 @@ class VllmAiter(GluonCaller):
     emulated_options = EMULATED_VLLM_OPTIONS
 
     def availability(self) -> Availability:
-        """vLLM's Triton builder must run here; real AITER besides unless emulated."""
+        """vLLM's Triton builder must run here and its module import; real AITER besides
+        unless emulated."""
         triton = triton_availability()
-        if self.emulated or not triton.available:
+        if not triton.available:
             return triton
-        return aiter_availability()
+        if not self.emulated and not (real := aiter_availability()).available:
+            return real
+        return kernel_availability("amd.ops.sparse_pa")
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """What ``pa_decode_gluon`` refuses; then rows vLLM's builder cuts short (F14)."""

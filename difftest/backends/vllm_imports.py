@@ -80,6 +80,24 @@ def triton_precision(case: Case, device: torch.device) -> Precision:
     return Precision(q, q, q)
 
 
+def kernel_availability(module: str) -> Availability:
+    """Whether ``vllm.models.minimax_m3.<module>`` imports here; where it needs a module this
+    environment lacks (a vLLM installed without its serving dependencies), unavailable with
+    that module named."""
+    if importlib.util.find_spec("vllm") is None:
+        return Availability(False, "vLLM is not installed (pip install vllm)")
+    try:
+        import_minimax_m3(module)
+    except ModuleNotFoundError as exc:
+        return Availability(False, f"vLLM {vllm_version()}'s vllm.models.minimax_m3.{module} "
+                            f"needs the module '{exc.name}', which this environment lacks "
+                            "(vLLM installed without that dependency)")
+    except Exception as exc:  # any other import failure: the kernel cannot run either
+        return Availability(False, f"importing vllm.models.minimax_m3.{module} failed: "
+                            f"{type(exc).__name__}: {exc}")
+    return Availability(True)
+
+
 def minimax_m3_loading() -> str:
     """How the MiniMax-M3 kernel modules were loaded in this process."""
     return _loading

@@ -43,6 +43,7 @@ from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.vllm_imports import (
     import_minimax_m3,
+    kernel_availability,
     minimax_m3_loading,
     triton_availability,
     triton_precision,
@@ -113,7 +114,10 @@ class VllmTritonSparse:
         if self.release is not None and self.release.find(KERNEL_FILE) is None:
             return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
                                 f"has no MiniMax-M3 sparse decode ({KERNEL_FILE})")
-        return triton_availability()
+        triton = triton_availability()
+        if not triton.available or self.release is not None:
+            return triton
+        return kernel_availability("common.ops.sparse_attn")
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """Kernel modes, irregular selections it reads differently (F4), interpreted bf16,
