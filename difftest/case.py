@@ -50,6 +50,11 @@ KERNEL_MODE_FIELDS: tuple[str, ...] = ("softcap", "sliding_window", "q_scale", "
                                        "split_k_segments", "dense")
 
 
+# MiniMax-M3's cache geometry: the sparse family's, and all the M3 sparse decodes run
+MODEL_GEOMETRY: dict[str, Any] = {"head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
+                                  "page_size": PAGE_SIZE, "num_kv_heads": 1}
+
+
 class CaseError(ValueError):
     """A case field is outside its allowed range; the message names both."""
 
@@ -239,6 +244,16 @@ class Case:
         if mode == "split_k_segments":
             return self.replace(split_k_segments=0, seq_threshold_3d=0)
         return self.replace(**{mode: MODE_DEFAULTS[mode]})
+
+    def outside_model_geometry(self) -> str | None:
+        """``None`` at MiniMax-M3's geometry (:data:`MODEL_GEOMETRY`, an LBHNC or LHBNC
+        cache), else the fields that differ, e.g. ``"head_dim 96, kv_layout split"``: a
+        backend that runs the model's geometry only says so with this."""
+        differ = [f"{name} {getattr(self, name)}" for name, value in MODEL_GEOMETRY.items()
+                  if getattr(self, name) != value]
+        if self.kv_layout not in KV_LAYOUTS:
+            differ.append(f"kv_layout {self.kv_layout}")
+        return ", ".join(differ) or None
 
     @cached_property
     def case_id(self) -> str:

@@ -191,6 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.audit import audit_json, audit_lines
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
+    from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
     from difftest.jobs import claimed
     from difftest.replay import report_previous_crashes
@@ -217,6 +218,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         (case, None) for case in ([] if args.no_corpus else load_corpus())]
     runs += [(fitted.case, fitted.backends) for fitted in capabilities.fit_all(
         generated_cases(args.examples, args.seed, capabilities.strategy()))]
+    runs += [(fitted.case, fitted.backends) for fitted in capabilities.fit_all(
+        generated_cases(dense_examples(args.examples), args.seed,
+                        capabilities.dense_strategy()))]
     if shard is not None:
         runs = [(case, names) for case, names in runs if shard.contains(case)]
     # a job of --jobs runs the cases it claims first (the others take the rest)
@@ -386,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_session_options(p)
     p.add_argument("--backends", type=_backend_names,
                    help="comma-separated backends (default: all)")
-    p.add_argument("--examples", type=_count, default=20, help="generated cases (default 20)")
+    p.add_argument("--examples", type=_count, default=20,
+                   help="generated cases (default 20), and one dense-family case per five")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated case set")
     p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
     p.add_argument("--shard", metavar="K/N",

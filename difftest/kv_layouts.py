@@ -123,10 +123,14 @@ class KVLayout:
         """The K and V page views a kernel receives (K untrimmed; V ``v_page_offset`` pages
         in): plain ``[pages, P, nkv, D]``, shuffled K ``[pages, nkv, D/x, P, x]`` and V
         ``[pages, nkv, P/x, D, x]``."""
+        self.check_order(in_page_order)
+        return self._views(raw, g, in_page_order)
+
+    def check_order(self, in_page_order: str) -> None:
+        """Raise ``ValueError`` unless this layout has pages in ``in_page_order``."""
         if in_page_order not in self.in_page_orders:
             raise ValueError(f"layout {self.name} has no {in_page_order!r} pages (in-page "
                              f"orders: {', '.join(self.in_page_orders)})")
-        return self._views(raw, g, in_page_order)
 
     def _views(self, raw: torch.Tensor, g: Geometry,
                in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -115,7 +115,7 @@ def build_cache(
     What rows attend comes from ``data.segments`` (the tables :func:`difftest.inputs.generate`
     made from ``rows``), so the build is tensor work on the data's device, no host copies.
     """
-    _check_order(case, in_page_order)
+    case.layout.check_order(in_page_order)
     device = data.k_stored.device
     # The buffer is allocated in its layout's order and written through the layout's
     # [n, 2, B, nkv, D] view, not built block-major and copied (540 MB, 1.5 s on a CPU).
@@ -128,13 +128,6 @@ def build_cache(
             attended = _shuffle(attended, case)
         sides[data.block_ids] = attended
     return _views(case, raw, in_page_order)
-
-
-def _check_order(case: Case, in_page_order: str) -> None:
-    """Raise ``ValueError`` unless ``case``'s layout has pages in ``in_page_order``."""
-    if in_page_order not in case.layout.in_page_orders:
-        raise ValueError(f"in_page_order {in_page_order!r} is not one of layout "
-                         f"{case.kv_layout}'s {case.layout.in_page_orders}")
 
 
 def _views(case: Case, raw: torch.Tensor, in_page_order: str) -> CacheViews:
@@ -302,7 +295,7 @@ class CachePool:
     def cache(self, case: Case, data: CaseData, in_page_order: str) -> CacheViews:
         """The cache of ``case`` in ``in_page_order``, in the pool's buffer: the bytes of
         ``build_cache(case, data, rows, in_page_order)``."""
-        _check_order(case, in_page_order)
+        case.layout.check_order(in_page_order)
         device = data.k_stored.device
         dtype = data.k_stored.dtype
         slot_id = (case.kv_layout, in_page_order)

@@ -3,11 +3,12 @@
 It never reads the physical cache or its views: each query row gathers the stored K/V of the
 tokens the framework's sparse table says it attends, straight from the generated per-block
 data, dequantises them (``stored * scale`` in float64, the scale applied to the sums) and
-runs a plain softmax.
+runs a plain softmax. With several KV heads (GQA) query head ``h`` reads KV head
+``h // (Hq / Hkv)``: one pass per KV head over its group of query heads.
 
 All rows at once (in chunks of at most ``ELEMENTS_PER_CHUNK`` gathered values, which only
 very large cases need): each row's segments (``data.segments``) are gathered as whole
-128-token blocks, ``[rows, width * 128, D]``, and the tokens past a segment's length (or
+blocks, ``[rows, width * block_size, D]``, and the tokens past a segment's length (or
 outside the window) are masked, so there is no Python per row and no host synchronisation.
 The output (logits, softmax, ``P V``) is float64: on an H200 float64 GEMMs run at float32's
 rate (tensor-core DGEMM), and a float32 reference would use up the whole budget of a float32
@@ -28,15 +29,17 @@ float64 formulation (kept as the oracle in ``tests/test_reference_magnitudes.py`
 ``u = 2^-24``, ``w = 2^-53`` and ``g(n, u) = n u / (1 - n u)``:
 
 * ``A``: ``fl32(p_i) = p_i (1 + a)``, ``|a| <= u`` (or an absolute ``2^-150`` below float32's
-  normal range); ``|v_i|`` of a bf16/fp16/fp8 value is exact in float32. Each 128-token
+  normal range); ``|v_i|`` of a bf16/fp16/fp8 value is exact in float32. Each cache
   block's sum is one float32 GEMM: the product and the at most ``B - 1`` additions (any
   order, with or without FMA) put every term within a factor ``(1 + u)^(B + 1)`` of its exact
-  value (``B = 128``), and since all terms are nonnegative the block's sum is within
-  ``g(B + 1, u)`` relatively; the blocks' sums are added in float64 (``g(W, w)``, ``W`` blocks).
-  The float64 formulation is within ``g(L, w)``, ``L = 128 W``, and both are scaled by
+  value (``B`` = block size, 128 for the model), and since all terms are nonnegative the
+  block's sum is within ``g(B + 1, u)`` relatively; the blocks' sums are added in float64
+  (``g(W, w)``, ``W`` blocks).
+  The float64 formulation is within ``g(L, w)``, ``L = B W``, and both are scaled by
   ``v_scale`` in float64: ``|A32 - A64| <= (g(B + 1, u) + 2 g(L + 2, w)) A64
   + L 2^-126 max(1, max|v|) v_scale`` (the last term covers a GEMM that flushes subnormal
-  weights or products): ``7.7e-6`` relatively, at any length (one float32 GEMM over all
+  weights or products): ``7.7e-6`` relatively at ``B = 128`` (``3.1e-5`` at the largest
+  block, 512), at any length (one float32 GEMM over all
   2048 tokens of a production row would allow ``1.2e-4`` and moved the greatest
   error/tolerance of 4 of the 412 verdicts of ``tests/test_bit_identical.py`` by more than
   1e-6, up to 1.6e-6; per block, at most 6.6e-7).
@@ -125,9 +128,19 @@ class TorchReference:
         mode = _Mode(case.block_size, case.softmax_scale * case.k_scale, case.v_scale,
                      case.softcap, case.sliding_window,
                      max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim)))
-        args = (data.query, data.k_stored[:, :, 0], data.v_stored[:, :, 0],  # [blocks, 128, D]
-                seg.slots, seg.tokens, seg.starts, seg.context_lens)
-        out, abs_out, magnitude = _GRAPHS(_sums, args, mode)
+        # GQA: query head h reads KV head h // (Hq / Hkv); one pass per KV head
+        group = case.queries_per_kv
+        parts = []
+        for g in range(case.num_kv_heads):
+            query = data.query[:, g * group:(g + 1) * group]
+            if case.num_kv_heads > 1:  # contiguous operands (one head: the tensors as they are)
+                query = query.contiguous()
+            args = (query, data.k_stored[:, :, g].contiguous(),  # [blocks, B, D]
+                    data.v_stored[:, :, g].contiguous(),
+                    seg.slots, seg.tokens, seg.starts, seg.context_lens)
+            parts.append(_GRAPHS(_sums, args, mode))
+        out, abs_out, magnitude = (torch.cat(p, dim=1) if len(parts) > 1 else p[0]
+                                   for p in zip(*parts, strict=True))
         return Reference(out, abs_out, magnitude, seg.context_lens)
 
 
@@ -192,7 +205,7 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
     slots = seg.slots[rows]
     n, length = slots.shape[0], seg.width * mode.block_size
     token = torch.arange(mode.block_size, device=slots.device)
-    mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
+    mask = token < seg.tokens[rows, :, None]  # [R, width, B]
     if mode.sliding_window:
         ordinal = seg.starts[rows, :, None] + token
         mask &= ordinal >= seg.context_lens[rows, None, None] - mode.sliding_window
@@ -210,7 +223,7 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
         k_sq = k_gathered.to(f32).square_()
         sums = torch.einsum("rhd,rld->rhl", q_sq, k_sq)
         del k_sq
-        # per 128-token block, the blocks' sums added in float64
+        # per block, the blocks' sums added in float64
         weights = probs.to(f32).view(n, -1, seg.width, mode.block_size)
         sizes = v.to(f32).abs_().view(n, seg.width, mode.block_size, -1)
         abs_sum = torch.einsum("rhwt,rwtd->rhwd", weights, sizes).to(f64).sum(dim=2)
@@ -218,8 +231,16 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
 
 
 def _triton_reads(k_stored: torch.Tensor) -> bool:
-    """Whether :mod:`backends._reference_triton` computes this case: on a CUDA/ROCm GPU."""
-    return k_stored.device.type == "cuda"
+    """Whether :mod:`backends._reference_triton` computes this case: on a CUDA/ROCm GPU, for
+    blocks and head sizes its tiles cover (``tl.arange`` needs powers of two, the head size
+    whole chunks); other geometries (head sizes 80 and 96, 48-token blocks) run in torch."""
+    _, block, dim = k_stored.shape
+    return (k_stored.device.type == "cuda" and _power_of_two(block) and block >= 16
+            and _power_of_two(dim) and dim >= 32)
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
