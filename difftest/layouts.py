@@ -292,6 +292,10 @@ class CachePool:
         """How many buffers the pool holds."""
         return len(self._slots)
 
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the pool holds (reused or refilled by the next builds)."""
+        return sum(slot.raw.numel() * slot.raw.element_size() for slot in self._slots.values())
+
     def cache(self, case: Case, data: CaseData, in_page_order: str) -> CacheViews:
         """The cache of ``case`` in ``in_page_order``, in the pool's buffer: the bytes of
         ``build_cache(case, data, rows, in_page_order)``."""
