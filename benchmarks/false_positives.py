@@ -2,6 +2,7 @@
 
     python -m benchmarks.false_positives --examples 2000 --workers 2 --json fp.json
     python -m benchmarks.false_positives --examples 100 --backends triton-unified
+    python -m benchmarks.false_positives --family dense --examples 2000 --json fp-dense.json
 
 The examples are what ``difftest run`` draws (:class:`difftest.cases.capabilities.
 Capabilities`: every dtype combination and kernel mode some chosen backend runs, each example
@@ -12,6 +13,8 @@ parts and the seed, never on the number of workers. Every backend is correct, so
 disagreement, error or crash is a false positive: it is printed with its case JSON and the
 exit status is 1. The parameter audit of the stretch (:mod:`difftest.audit`) is printed too,
 and its blind spots (an argument a backend accepts that took a single value) also fail the run.
+``--family dense`` draws the dense family instead (:mod:`difftest.cases.dense`, its own small
+geometry; ``--max-batch`` and ``--max-topk`` do not apply).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def _prepare_worker(device: str, workers: int) -> None:
 
 
 def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_batch: int,
-             max_topk: int) -> dict[str, Any]:
+             max_topk: int, family: str = "sparse") -> dict[str, Any]:
     """Draw ``examples`` derandomized examples under ``seed``, fit them to the backends called
     ``names`` and run every fitted case: the records (as dicts) and generation's summary."""
     import tempfile
@@ -57,8 +60,9 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
         session = Session.create(list(names), device=device, artifacts=artifacts)
         capabilities = Capabilities.probe(session.backends, torch.device(device))
         start = time.perf_counter()
-        drawn = generated_cases(examples, seed, capabilities.strategy(max_batch=max_batch,
-                                                                      max_topk=max_topk))
+        strategy = (capabilities.dense_strategy() if family == "dense" else
+                    capabilities.strategy(max_batch=max_batch, max_topk=max_topk))
+        drawn = generated_cases(examples, seed, strategy)
         runs = capabilities.fit_all(drawn)
         drawn_seconds = time.perf_counter() - start
         failures = []
@@ -86,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=2)
     parser.add_argument("--max-topk", type=int, default=4)
+    parser.add_argument("--family", choices=("sparse", "dense"), default="sparse",
+                        help="the case family drawn (default: sparse)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     device = devices.resolve(args.device)
@@ -104,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 initializer=_prepare_worker,
                                                 initargs=(device, args.workers)) as pool:
         futures = [pool.submit(run_part, size, args.seed + i, args.backends, device,
-                               args.max_batch, args.max_topk)
+                               args.max_batch, args.max_topk, args.family)
                    for i, size in enumerate(sizes) if size]
         parts = []
         for future in futures:  # each part on disk as it ends: a late failure loses nothing
@@ -136,15 +142,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{json.dumps(failure['case'], sort_keys=True)}\n{failure['message']}")
     print(f"blind spots: {', '.join(blind) or 'none'}")
     print(f"{len(failures)} false positives in {examples} derandomized examples "
-          f"({len(records)} fitted runs; {args.parts} parts from seed {args.seed}; max batch "
-          f"{args.max_batch}, max top-k {args.max_topk}) on {', '.join(names)}; drawing "
+          f"({args.family} family, {len(records)} fitted runs; {args.parts} parts from seed "
+          f"{args.seed}; max batch {args.max_batch}, max top-k {args.max_topk}) on "
+          f"{', '.join(names)}; drawing "
           f"{sum(p['drawn_seconds'] for p in parts):.0f} s summed over parts, wall {wall:.0f} s "
           f"on {device} ({os.cpu_count()} cores, {args.workers} workers, "
           f"{platform.platform()}, Python {platform.python_version()}, torch "
           f"{torch.__version__})")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"examples": examples, "parts": args.parts, "seed": args.seed,
+            json.dump({"examples": examples, "family": args.family, "parts": args.parts,
+                       "seed": args.seed,
                        "runs": len(records), "backends": names, "generation": generation,
                        "statuses": {f"{b} {s}": n for (b, s), n in sorted(statuses.items())},
                        "false_positives": failures, "blind_spots": blind,

@@ -63,11 +63,12 @@ def _attended_side_kernel(out_ptr, src_ptr, ids_ptr, written_ptr, reach_ptr, rea
 
 def write_attended_triton(raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           block_ids: torch.Tensor, written: torch.Tensor, reach: torch.Tensor,
-                          read: torch.Tensor | None, *, lhbnc: bool, shuffled: bool,
-                          page_size: int, poison: int, nan: int) -> None:
-    """Write the attended blocks into ``raw`` (an integer view of the cache, LBHNC
-    ``[n, 2, 128, c]`` or LHBNC ``[2, n, 128, c]``) from the integer views ``k``/``v``
-    (``[attended, 128, nkv, D]``); ``read``: the canary mode's read slots ``[attended, 128]``
+                          read: torch.Tensor | None, *, block_stride: int, v_offset: int,
+                          shuffled: bool, page_size: int, poison: int, nan: int) -> None:
+    """Write the attended blocks into ``raw`` (an integer view of the cache, whose block
+    ``b``'s side ``s`` is the contiguous run at ``b * block_stride + s * v_offset``:
+    :meth:`difftest.kv_layouts.KVLayout.side_addressing`) from the integer views ``k``/``v``
+    (``[attended, B, nkv, D]``); ``read``: the canary mode's read slots ``[attended, B]``
     (else ``None``: data below ``written``, poison below ``reach``, NaN past it);
     ``poison``/``nan``: the bit patterns, as the view's integers."""
     attended, tokens, nkv, d = k.shape
@@ -77,8 +78,6 @@ def write_attended_triton(raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block = triton.next_power_of_2(side)
     if not interpreted():  # the interpreter's cost is per program: there one writes a side
         block = min(4096, block)
-    n = raw.shape[1] if lhbnc else raw.shape[0]
-    block_stride = side if lhbnc else 2 * side
     x = 16 // raw.element_size()
     ids = block_ids.to(torch.int64).contiguous()
     written = written.to(torch.int64).contiguous()
@@ -86,7 +85,7 @@ def write_attended_triton(raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     read_mask = read.to(torch.uint8).contiguous() if read is not None else written
     grid = (attended, triton.cdiv(side, block))
     for is_v, src in ((False, k), (True, v)):
-        side_offset = (n * side if lhbnc else side) if is_v else 0
+        side_offset = v_offset if is_v else 0
         _attended_side_kernel[grid](
             raw, src.contiguous(), ids, written, reach, read_mask, block_stride, side_offset,
             poison, nan, NKV=nkv, D=d, TOKENS=tokens, PAGE=page_size, X=x, SHUFFLED=shuffled,

@@ -185,8 +185,9 @@ NO_SOFTCAP_WINDOW = (f"{M3} has no softcap or window; the kernel modes "
                      "(difftest/cases/modes.py) switch them on for the backends that run them "
                      "(the others run the example with them off, "
                      "difftest/cases/capabilities.py)")
-ONE_KV_HEAD = ("vLLM's MiniMax-M3 AITER sparse PA asserts num_kv_heads == 1 per rank, and the "
-               "case model holds one KV head (difftest/case.py)")
+ONE_KV_HEAD = ("vLLM's MiniMax-M3 AITER sparse PA asserts num_kv_heads == 1 per rank, and "
+               "MiniMax-M3's backends refuse other cases (difftest/case.py "
+               "outside_model_geometry)")
 TWO_D = ("None: the adapter calls the 2-D kernel (no split-K scratch), as vLLM's MiniMax-M3 "
          "decode with one query token per sequence; the split-K mode "
          "(difftest/cases/modes.py) hands over scratch so vLLM picks 2-D or 3-D by shape")
@@ -301,7 +302,10 @@ PA_DECODE_GLUON: tuple[Argument, ...] = (
 )
 
 # ----- sizes read from shapes, fixed by the case model -------------------------------------------
-CASE_MODEL = "the case model (difftest/case.py validate) holds it"
+CASE_MODEL = ("the sparse family holds it, and MiniMax-M3's backends refuse cases that do "
+              "not (difftest/case.py outside_model_geometry)")
+DENSE_GEOMETRY = ("the dense family (difftest/cases/dense.py) draws head sizes 64-256, "
+                  "16-128-token blocks and 48, pages of a block or of 16 tokens, 1-8 KV heads")
 HEAD_DIM_WHY = (f"MiniMax-M3's head dim (sm_scale = {HEAD_DIM}**-0.5, amd/model.py:668); "
                 f"{CASE_MODEL} so that every backend runs every case: vLLM's AITER sparse PA "
                 f"raises for head_size != {HEAD_DIM} (sparse_pa.py:546-548)")
@@ -325,18 +329,25 @@ def _block_of_pages(kernel: str, table: str, more: str = "", more_where: str = "
 
 DIMENSIONS: dict[str, tuple[Argument, ...]] = {
     "unified_attention": (
-        _fixed("head_dim", str(HEAD_DIM), "unified_attention accepts any head size (padded "
-               "to a power of 2 and masked, triton_unified_attention.py:1038); "
-               f"{HEAD_DIM_WHY}; the padded path of non-power-of-2 sizes is not tested",
-               "q.shape[2], k.shape[3], v.shape[3], out.shape[2]"),
-        _fixed("page_size", str(PAGE_SIZE), "unified_attention takes its block size from "
-               "v.shape[1] and accepts others (it clamps its tiles to it, "
-               "triton_unified_attention.py:951, 1018-1022); the adapter passes the plain "
-               f"page-{PAGE_SIZE} views of {PAGE_WHY}",
-               "k.shape[1], v.shape[1]; block_table holds page ids"),
-        _block_of_pages("unified_attention", "block_table",
-                        f" and max_seqlen_k = topk * {BLOCK_SIZE}", ", max_seqlen_k"),
-        _fixed("num_kv_heads", "1", ONE_KV_HEAD_SHAPE, "k.shape[2], v.shape[2]"),
+        Argument("head_dim", lambda c: c.head_dim, fixed="unified_attention accepts any head "
+                 "size (padded to a power of 2 and masked, triton_unified_attention.py:1038); "
+                 f"{HEAD_DIM_WHY}; {DENSE_GEOMETRY}", fixed_value=str(HEAD_DIM),
+                 shape="q.shape[2], k.shape[3], v.shape[3], out.shape[2]"),
+        Argument("page_size", lambda c: c.page_size, fixed="unified_attention takes its block "
+                 "size from v.shape[1] and accepts others (it clamps its tiles to it, "
+                 "triton_unified_attention.py:951, 1018-1022); the sparse family passes the "
+                 f"plain page-{PAGE_SIZE} views of {PAGE_WHY}; {DENSE_GEOMETRY}",
+                 fixed_value=str(PAGE_SIZE),
+                 shape="k.shape[1], v.shape[1]; block_table holds page ids"),
+        Argument("block_size", lambda c: c.block_size, fixed="no unified_attention parameter: "
+                 f"it sees pages only; the {BLOCK_SIZE}-token block is the "
+                 f"{BLOCK_SIZE // PAGE_SIZE} consecutive page ids per selected block in "
+                 f"block_table and max_seqlen_k = topk * {BLOCK_SIZE}; {BLOCK_WHY}; "
+                 f"{DENSE_GEOMETRY}", fixed_value=str(BLOCK_SIZE),
+                 shape="block_table width, max_seqlen_k"),
+        Argument("num_kv_heads", lambda c: c.num_kv_heads, fixed=f"{ONE_KV_HEAD}; this kernel "
+                 "accepts more (its GQA grouping is num_q_heads // num_kv_heads); "
+                 f"{DENSE_GEOMETRY}", fixed_value="1", shape="k.shape[2], v.shape[2]"),
     ),
     "minimax_m3_sparse_attn_decode": (
         _fixed("head_dim", str(HEAD_DIM), "the common Triton decode accepts any head_dim "

@@ -16,12 +16,16 @@ from functools import cached_property
 from typing import Any
 
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
+from difftest.kv_layouts import LAYOUTS, KVLayout
 
 CASE_SCHEMA = "difftest.case/1"
 BLOCK_SIZE = 128
 PAGE_SIZE = 16
 HEAD_DIM = 128
-KV_LAYOUTS: tuple[str, ...] = ("LBHNC", "LHBNC")
+KV_LAYOUTS: tuple[str, ...] = ("LBHNC", "LHBNC")  # MiniMax-M3's (the sparse family's)
+ALL_LAYOUTS: tuple[str, ...] = tuple(LAYOUTS)  # difftest.kv_layouts: vLLM's split cache too
+HEAD_DIMS: tuple[int, ...] = (64, 80, 96, 128, 256)
+MAX_KV_HEADS = 8
 DISTRIBUTIONS: tuple[str, ...] = ("normal", "uniform", "outliers")
 MAX_NUM_BLOCKS = 1 << 20
 MAX_BATCH = 4096
@@ -32,7 +36,6 @@ MAX_DECODE_QUERY_LEN = 4
 MAX_QUERY_LEN = 128  # a prefill-like request's query tokens (``query_lens``)
 SPLIT_K_SEGMENTS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # vLLM: 16 (64 on SM120)
 MAX_SEQ_THRESHOLD_3D = 1 << 20
-MAX_LOGICAL_BLOCK = MAX_SEQ_LEN // BLOCK_SIZE
 SCALE_RANGE = (1e-6, 1e6)
 SOFTCAP_RANGE = (1e-3, 1e4)
 # Kernel-mode fields and their "off" values. A field at its default is left out of the
@@ -41,10 +44,15 @@ SOFTCAP_RANGE = (1e-3, 1e4)
 # (``query_lens`` off also drops the rows it added).
 MODE_DEFAULTS: dict[str, Any] = {"softcap": 0.0, "sliding_window": 0, "canary": False,
                                  "q_scale": 0.0, "query_lens": (), "split_k_segments": 0,
-                                 "seq_threshold_3d": 0}
+                                 "seq_threshold_3d": 0, "dense": False}
 # the modes a backend must run to run the case (canaries change only the data)
 KERNEL_MODE_FIELDS: tuple[str, ...] = ("softcap", "sliding_window", "q_scale", "query_lens",
-                                       "split_k_segments")
+                                       "split_k_segments", "dense")
+
+
+# MiniMax-M3's cache geometry: the sparse family's, and all the M3 sparse decodes run
+MODEL_GEOMETRY: dict[str, Any] = {"head_dim": HEAD_DIM, "block_size": BLOCK_SIZE,
+                                  "page_size": PAGE_SIZE, "num_kv_heads": 1}
 
 
 class CaseError(ValueError):
@@ -85,6 +93,15 @@ class Case:
     rows, the last ``query_lens[r]`` positions of the request: prefill-like rows mixed with
     decode rows. ``split_k_segments = S`` hands ``unified_attention`` split-K scratch of ``S``
     segments and ``seq_threshold_3d``, so vLLM chooses its 3-D kernel or the 2-D one by shape.
+    ``dense`` declares every row to select exactly its causal blocks ``0..own`` in order (then
+    ``-1``), so a kernel runs each request as one sequence over its block table (paged
+    attention, not a sparse table); with ``dense`` off the same selections are a sparse case
+    that happens to select everything.
+
+    Geometry (docs/geometry.md): ``block_size`` tokens per cache block and ``page_size``
+    tokens per kernel page, as ``kv_layout`` (:mod:`difftest.kv_layouts`) allows them;
+    ``head_dim`` one of :data:`HEAD_DIMS`; ``num_kv_heads`` 1..8 with ``num_q_heads`` a
+    multiple of it (GQA: query head ``h`` reads KV head ``h // (num_q_heads / num_kv_heads)``).
     """
 
     num_blocks: int
@@ -112,6 +129,7 @@ class Case:
     query_lens: tuple[int, ...] = ()
     split_k_segments: int = 0
     seq_threshold_3d: int = 0
+    dense: bool = False
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -168,30 +186,44 @@ class Case:
         return self.kv_dtype in FP8_DTYPES
 
     @property
+    def layout(self) -> KVLayout:
+        """The cache layout object of ``kv_layout`` (:mod:`difftest.kv_layouts`)."""
+        return LAYOUTS[self.kv_layout]
+
+    @property
     def pages_per_side(self) -> int:
-        """16-token pages on one side (K or V) of a 128-token block."""
-        return self.block_size // self.page_size
+        """Pages on one side (K or V) of a block (8: 128-token blocks of 16-token pages)."""
+        return self.layout.pages_per_side(self)
 
     @property
     def block_page_stride(self) -> int:
-        """Page ids one block spans: 16 when K and V sides are packed (LBHNC), else 8."""
-        return self.pages_per_side * (2 if self.kv_layout == "LBHNC" else 1)
+        """Page ids one block spans (16 when K and V sides are packed, LBHNC; else 8)."""
+        return self.layout.block_page_stride(self)
 
     @property
     def k_view_pages(self) -> int:
-        """Length of the page-16 K view (untrimmed)."""
-        return self.num_blocks * self.block_page_stride
+        """Length of the K page view (untrimmed)."""
+        return self.layout.k_view_pages(self)
 
     @property
     def v_view_pages(self) -> int:
-        """Length of the page-16 V view (half a block shorter than K when packed)."""
-        offset = self.pages_per_side if self.kv_layout == "LBHNC" else 0
-        return self.k_view_pages - offset
+        """Length of the V page view (half a block shorter than K when packed)."""
+        return self.layout.v_view_pages(self)
 
     @property
     def max_page_id(self) -> int:
         """The highest page id a valid selection of the last physical block can produce."""
-        return (self.num_blocks - 1) * self.block_page_stride + self.pages_per_side - 1
+        return self.layout.max_page_id(self)
+
+    @property
+    def queries_per_kv(self) -> int:
+        """Query heads per KV head (the GQA group)."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def max_logical_block(self) -> int:
+        """The highest logical block a selection may name (``MAX_SEQ_LEN`` tokens)."""
+        return MAX_SEQ_LEN // self.block_size - 1
 
     @property
     def kernel_modes(self) -> tuple[str, ...]:
@@ -212,6 +244,16 @@ class Case:
         if mode == "split_k_segments":
             return self.replace(split_k_segments=0, seq_threshold_3d=0)
         return self.replace(**{mode: MODE_DEFAULTS[mode]})
+
+    def outside_model_geometry(self) -> str | None:
+        """``None`` at MiniMax-M3's geometry (:data:`MODEL_GEOMETRY`, an LBHNC or LHBNC
+        cache), else the fields that differ, e.g. ``"head_dim 96, kv_layout split"``: a
+        backend that runs the model's geometry only says so with this."""
+        differ = [f"{name} {getattr(self, name)}" for name, value in MODEL_GEOMETRY.items()
+                  if getattr(self, name) != value]
+        if self.kv_layout not in KV_LAYOUTS:
+            differ.append(f"kv_layout {self.kv_layout}")
+        return ", ".join(differ) or None
 
     @cached_property
     def case_id(self) -> str:
@@ -305,17 +347,11 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 def validate(case: Case) -> None:
     """Raise :class:`CaseError` naming the first field outside its allowed range."""
-    _check_int("num_kv_heads", case.num_kv_heads, 1, 1)
-    _check_int("head_dim", case.head_dim, HEAD_DIM, HEAD_DIM)
-    _check_int("page_size", case.page_size, PAGE_SIZE, PAGE_SIZE)
-    _check_int("block_size", case.block_size, BLOCK_SIZE, BLOCK_SIZE)
-    _check_int("num_blocks", case.num_blocks, 1, MAX_NUM_BLOCKS)
-    _check_int("num_q_heads", case.num_q_heads, 1, MAX_Q_HEADS)
+    _validate_geometry(case)
     _check_int("decode_query_len", case.decode_query_len, 1, MAX_DECODE_QUERY_LEN)
     _check_int("seed", case.seed, 0, 2**63 - 1)
     _check_choice("query_dtype", case.query_dtype, QUERY_DTYPES)
     _check_choice("kv_dtype", case.kv_dtype, KV_DTYPES)
-    _check_choice("kv_layout", case.kv_layout, KV_LAYOUTS)
     _check_choice("distribution", case.distribution, DISTRIBUTIONS)
     for name in ("k_scale", "v_scale"):
         value = getattr(case, name)
@@ -372,12 +408,48 @@ def validate(case: Case) -> None:
             raise CaseError(f"selections[{n}]", f"has {len(row)} lanes",
                             f"top-k = {topk} like row 0")
         for lane, blk in enumerate(row):
-            if not (blk == -1 or 0 <= blk < MAX_LOGICAL_BLOCK):
+            if not (blk == -1 or 0 <= blk <= case.max_logical_block):
                 raise CaseError(f"selections[{n}][{lane}]", f"= {blk}",
-                                f"-1 (padding) or a logical block 0..{MAX_LOGICAL_BLOCK - 1}")
+                                f"-1 (padding) or a logical block 0..{case.max_logical_block}")
+    if not isinstance(case.dense, bool):
+        raise CaseError("dense", f"= {case.dense!r}", "true or false")
+    if case.dense:
+        _validate_dense(case)
     if case.max_page_id >= case.v_view_pages:
         raise CaseError("num_blocks", f"gives page id {case.max_page_id} beyond the V view "
                         f"({case.v_view_pages} pages)", "page ids below the V view length")
+
+
+def _validate_geometry(case: Case) -> None:
+    """The cache geometry: layout, head size, heads, block and page sizes, cache size."""
+    _check_choice("kv_layout", case.kv_layout, ALL_LAYOUTS)
+    if case.head_dim not in HEAD_DIMS or isinstance(case.head_dim, bool):
+        raise CaseError("head_dim", f"= {case.head_dim!r}", ", ".join(map(str, HEAD_DIMS)))
+    _check_int("num_kv_heads", case.num_kv_heads, 1, MAX_KV_HEADS)
+    _check_int("num_q_heads", case.num_q_heads, 1, MAX_Q_HEADS)
+    if case.num_q_heads % case.num_kv_heads:
+        raise CaseError("num_q_heads", f"= {case.num_q_heads} with num_kv_heads "
+                        f"{case.num_kv_heads}", "a multiple of num_kv_heads (GQA groups)")
+    _check_int("page_size", case.page_size, 1, MAX_SEQ_LEN)
+    _check_int("block_size", case.block_size, 1, MAX_SEQ_LEN)
+    problem = case.layout.check(case)
+    if problem is not None:
+        raise CaseError(*problem)
+    _check_int("num_blocks", case.num_blocks, 1, MAX_NUM_BLOCKS)
+
+
+def _validate_dense(case: Case) -> None:
+    """Every row of a dense case selects its causal blocks in order, then ``-1``."""
+    for n, lanes in enumerate(case.selections):
+        abs_pos = case.abs_pos(n)
+        own = abs_pos // case.block_size + 1 if abs_pos >= 0 else 0
+        if own > len(lanes):
+            raise CaseError(f"selections[{n}]", f"has {len(lanes)} lanes for {own} causal blocks "
+                            "in a dense case", f"at least {own} lanes (top-k)")
+        expected = tuple(range(own)) + (-1,) * (len(lanes) - own)
+        if lanes != expected:
+            raise CaseError(f"selections[{n}]", f"= {list(lanes)} in a dense case",
+                            f"its causal blocks in order, then -1: {list(expected)}")
 
 
 def _validate_new_modes(case: Case) -> None:

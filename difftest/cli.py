@@ -232,6 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
+    from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
     from difftest.plan import RunPlan, execute, session_report
     from difftest.replay import report_previous_crashes
@@ -255,7 +256,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     earlier = [] if job else report_previous_crashes(args.artifacts, "difftest run")
     capabilities = Capabilities.probe(session.backends, session.device)
     plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
-                         generated_cases(args.examples, args.seed, capabilities.strategy()),
+                         [*generated_cases(args.examples, args.seed, capabilities.strategy()),
+                          *generated_cases(dense_examples(args.examples), args.seed,
+                                           capabilities.dense_strategy())],
                          shard)
     progress = Progress(len(plan.runs), job.count if job else 1)
     shown = 0

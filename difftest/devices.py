@@ -41,17 +41,22 @@ def prepare_runtime(device: str) -> None:
     (else it disables Triton for want of a driver). The interpreter's numpy warnings on masked
     lanes and empty rows (which the kernels discard) are silenced; its re-patching of
     ``triton.language`` on nested calls and its overflow conditions that nothing checks are
-    skipped (:mod:`difftest.interpreter`).
+    skipped, and fp8 NaN/Inf bytes convert to NaN/Inf as on a GPU (:mod:`difftest.interpreter`).
     """
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         warnings.filterwarnings("ignore", category=RuntimeWarning,
                                 module="triton.runtime.interpreter")
-        from difftest.interpreter import skip_dropped_overflow_checks, skip_nested_patching
+        from difftest.interpreter import (
+            decode_fp8_specials,
+            skip_dropped_overflow_checks,
+            skip_nested_patching,
+        )
 
         skip_nested_patching()
         skip_dropped_overflow_checks()
+        decode_fp8_specials()
 
 
 def interpreted() -> bool:

@@ -18,6 +18,14 @@ overflow condition, which ``device_assert`` then drops because ``debug`` is off 
 only under ``debug``, on a GPU as in the interpreter): 40% of the interpreted time of a
 generated case (docs/performance.md), for no check. Off, the same values are computed and
 nothing that could raise is removed; with ``debug`` on the checks stay.
+
+:func:`decode_fp8_specials`: the interpreter converts fp8 by moving exponent and mantissa
+bits, with no case for the formats' special values, so fp8 NaN and Inf bytes become finite
+numbers (Triton 3.8.0: e4m3fn ``0x7F`` -> 480, e4m3fnuz ``0x80`` -> -0.0, e5m2 ``0x7F`` ->
+114688) and float NaN becomes a finite fp8 byte. A kernel that reads a NaN canary of an fp8
+cache then agrees on the CPU where it fails on a GPU (docs/geometry.md). The wrapped
+conversion gives those bytes the values the formats define (NaN, and e5m2's infinities), as
+a GPU's conversion does; every other byte converts as before.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from collections.abc import Callable
 from functools import wraps
 from typing import Any
 
+import numpy as np
+
 _INSTALLED = "_difftest_skips_nested_patching"
+_DECODES = "_difftest_decodes_fp8_specials"
 
 
 class _Launch:
@@ -113,3 +124,63 @@ def skip_dropped_overflow_checks() -> bool:
     if options.sanitize_overflow:
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
+
+
+def decode_fp8_specials() -> bool:
+    """Wrap the interpreter's float conversion so that fp8 NaN/Inf bytes convert to NaN/Inf
+    and float NaN to the fp8 format's NaN byte (once); False where this Triton lacks it."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        return False
+    if not getattr(convert, _DECODES, False):
+        interpreter._convert_float = _with_fp8_specials(convert, _fp8_specials(interpreter.tl))
+    return True
+
+
+# per fp8 format: its NaN bytes, and its +Inf and -Inf bytes (None: the format has none)
+Specials = tuple[tuple[int, ...], tuple[int, int] | None]
+
+
+def _fp8_specials(tl: Any) -> dict[Any, Specials]:
+    return {tl.float8e4nv: ((0x7F, 0xFF), None),  # e4m3fn
+            tl.float8e4b8: ((0x80,), None),  # e4m3fnuz
+            tl.float8e5: ((*range(0x7D, 0x80), *range(0xFD, 0x100)), (0x7C, 0xFC)),  # e5m2
+            tl.float8e5b16: ((0x80,), None)}  # e5m2fnuz
+
+
+def _bits(values: np.ndarray, width: int) -> np.ndarray:
+    return np.frombuffer(values.tobytes(), dtype=getattr(np, f"uint{width}")).reshape(
+        values.shape)
+
+
+def _with_fp8_specials(convert: Callable[..., np.ndarray],
+                       specials: dict[Any, Specials]) -> Callable[..., np.ndarray]:
+    @wraps(convert)
+    def converted(values: np.ndarray, input_dtype: Any, output_dtype: Any,
+                  rounding_mode: Any) -> np.ndarray:
+        out = convert(values, input_dtype, output_dtype, rounding_mode)
+        if input_dtype in specials and output_dtype not in specials:  # fp8 -> wider float
+            nan_bytes, infinities = specials[input_dtype]
+            width, mantissa = output_dtype.primitive_bitwidth, output_dtype.fp_mantissa_width
+            exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+            byte = _bits(values, 8)
+            out = out.copy()
+            out[np.isin(byte, nan_bytes)] = exponent | (1 << (mantissa - 1))
+            if infinities is not None:
+                out[byte == infinities[0]] = exponent
+                out[byte == infinities[1]] = (1 << (width - 1)) | exponent
+        elif output_dtype in specials and input_dtype not in specials:  # wider float -> fp8
+            width, mantissa = input_dtype.primitive_bitwidth, input_dtype.fp_mantissa_width
+            exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
+            bits = _bits(values, width)
+            nan = ((bits & exponent) == exponent) & ((bits & ((1 << mantissa) - 1)) != 0)
+            out = out.copy()
+            out[nan] = specials[output_dtype][0][0]
+        return out
+
+    setattr(converted, _DECODES, True)
+    return converted

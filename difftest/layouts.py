@@ -1,14 +1,10 @@
-"""The physical per-layer KV cache exactly as vLLM lays it out, and its page-16 views.
+"""The physical KV cache of a case, built as vLLM lays it out, and its page views.
 
-LBHNC (production): one tensor ``[num_blocks, 2, 128, nkv*D]``; each block holds its K side
-(8 pages of 16 tokens) then its V side. The K view numbers all 16 pages of every block, the V
-view is the same bytes starting 8 pages in, so V is 8 pages shorter and one page id
-``block * 16 + j`` (j < 8) addresses both sides. LHBNC: a K plane and a V plane, each
-``[num_blocks, 128, nkv*D]``, equal page counts, page id ``block * 8 + j``.
-
-In-page order: ``plain`` pages are token-major ``[16, nkv, D]`` (what vLLM's Triton kernels
-read); ``shuffled`` pages are AITER's K ``[nkv, D/x, 16, x]`` and V ``[nkv, 16/x, D, x]``,
-``x = 16 // itemsize``.
+Which bytes go where is the case's layout object's (:mod:`difftest.kv_layouts`: MiniMax-M3's
+LBHNC and LHBNC caches, vLLM's split K/V cache): its raw buffer, the
+``[n, 2, block_size, nkv, D]`` view writers write through, and the K and V page views a
+kernel receives in each in-page order (``plain`` token-major pages, ``shuffled`` AITER
+pages). This module decides what is written: data, poison and NaN canaries.
 
 Canaries: every page that no query row attends is NaN, so a backend reading a wrong page
 produces NaN instead of a plausible number. Slots of an attended page past the owning
@@ -27,22 +23,24 @@ GPU its attended blocks are written by one fused Triton kernel per side,
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
 from difftest.case import Case
 from difftest.inputs import CaseData
+from difftest.kv_layouts import IN_PAGE_ORDERS
 from difftest.sparse_table import SparseRow
 
-IN_PAGE_ORDERS: tuple[str, ...] = ("plain", "shuffled")
+__all__ = ["IN_PAGE_ORDERS", "POISON", "CachePool", "CacheViews", "PooledCacheModified",
+           "build_cache", "write_attended"]
+
 POISON = 192.0  # finite in every KV dtype, e4m3fnuz (max 240) included
 
 
 @dataclass(frozen=True)
 class CacheViews:
-    """A physical cache and the page-16 K and V views a kernel receives (K untrimmed)."""
+    """A physical cache and the K and V page views a kernel receives (K untrimmed)."""
 
     layout: str
     in_page_order: str
@@ -69,7 +67,7 @@ def _read_slots(case: Case, data: CaseData) -> torch.Tensor:
              else torch.zeros_like(seg.context_lens))
     start = (first[:, None] - seg.starts).clamp(min=0)  # [rows, width]
     slot = torch.arange(case.block_size, device=start.device)
-    read = (slot >= start[..., None]) & (slot < seg.tokens[..., None])  # [rows, width, 128]
+    read = (slot >= start[..., None]) & (slot < seg.tokens[..., None])  # [rows, width, B]
     count = torch.zeros((data.written.numel(), case.block_size), dtype=torch.int32,
                         device=start.device)
     count.index_add_(0, seg.slots.flatten(), read.flatten(0, 1).to(torch.int32))
@@ -77,7 +75,7 @@ def _read_slots(case: Case, data: CaseData) -> torch.Tensor:
 
 
 def _attended_sides(case: Case, data: CaseData) -> torch.Tensor:
-    """``[attended, 2, 128, nkv, D]`` token-major sides of the attended blocks (ascending id):
+    """``[attended, 2, B, nkv, D]`` token-major sides of the attended blocks (ascending id):
     data where written, poison where not, NaN on pages no row reaches (with ``canary``: data
     where some row reads, NaN everywhere else)."""
     sides = torch.stack((data.k_stored, data.v_stored), dim=1)
@@ -93,7 +91,7 @@ def _attended_sides(case: Case, data: CaseData) -> torch.Tensor:
 
 
 def _shuffle(sides: torch.Tensor, case: Case) -> torch.Tensor:
-    """Rewrite token-major pages of ``[blocks, 2, 128, nkv, D]`` sides into AITER's order."""
+    """Rewrite token-major pages of ``[blocks, 2, B, nkv, D]`` sides into AITER's order."""
     lead = sides.shape[0]
     nkv, d = case.num_kv_heads, case.head_dim
     x = 16 // sides.element_size()
@@ -117,16 +115,12 @@ def build_cache(
     What rows attend comes from ``data.segments`` (the tables :func:`difftest.inputs.generate`
     made from ``rows``), so the build is tensor work on the data's device, no host copies.
     """
-    if in_page_order not in IN_PAGE_ORDERS:
-        raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
-    nkv, d = case.num_kv_heads, case.head_dim
+    case.layout.check_order(in_page_order)
     device = data.k_stored.device
-    # The buffer is allocated in its layout's order and written through a [n, 2, ...] view
-    # (LHBNC's a transposed one), not built block-major and copied (540 MB, 1.5 s on a CPU).
+    # The buffer is allocated in its layout's order and written through the layout's
+    # [n, 2, B, nkv, D] view, not built block-major and copied (540 MB, 1.5 s on a CPU).
     raw = _base_buffer(case, data.k_stored.dtype, device)
-    sides = raw.unflatten(-1, (nkv, d))
-    if case.kv_layout != "LBHNC":
-        sides = sides.transpose(0, 1)  # [n, 2, 128, nkv, D], writing into raw
+    sides = case.layout.sides(raw, case)
     # Page order does not matter for uniform pages, so only attended blocks are shuffled.
     attended = _attended_sides(case, data)
     if attended.shape[0]:
@@ -137,23 +131,10 @@ def build_cache(
 
 
 def _views(case: Case, raw: torch.Tensor, in_page_order: str) -> CacheViews:
-    """The page-16 views of ``raw`` (LBHNC ``[n, 2, 128, c]``, LHBNC ``[2, n, 128, c]``)."""
-    n, nkv, d, ps = case.num_blocks, case.num_kv_heads, case.head_dim, case.page_size
-    if case.kv_layout == "LBHNC":
-        k_src = v_src = raw
-        pages_per_block, v_offset = 2 * case.pages_per_side, case.pages_per_side
-    else:
-        k_src, v_src = raw[0], raw[1]
-        pages_per_block, v_offset = case.pages_per_side, 0
-    count = n * pages_per_block
-    if in_page_order == "plain":
-        k = k_src.view(count, ps, nkv, d)
-        v = v_src.view(count, ps, nkv, d)[v_offset:]
-    else:
-        x = 16 // raw.element_size()
-        k = k_src.view(count, nkv, d // x, ps, x)
-        v = v_src.view(count, nkv, ps // x, d, x)[v_offset:]
-    return CacheViews(case.kv_layout, in_page_order, raw, k, v, pages_per_block, v_offset)
+    """The page views of ``raw`` (the case layout's :meth:`~difftest.kv_layouts.KVLayout.views`)."""
+    k, v = case.layout.views(raw, case, in_page_order)
+    return CacheViews(case.kv_layout, in_page_order, raw, k, v, case.block_page_stride,
+                      case.layout.v_page_offset(case))
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -181,27 +162,29 @@ def _word(value: float, dtype: torch.dtype) -> int:
 
 def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order: str,
                    triton: bool) -> None:
-    """Write the attended blocks of ``case`` into ``raw`` (LBHNC ``[n, 2, 128, c]``, LHBNC
-    ``[2, n, 128, c]``), each block whole, with the bytes :func:`build_cache` gives them.
+    """Write the attended blocks of ``case`` into ``raw`` (its layout's buffer), each block
+    whole, with the bytes :func:`build_cache` gives them.
 
     ``triton``: one fused kernel per side (:mod:`difftest._cache_triton`; the GPU path, or the
-    interpreter in tests) instead of the torch stack, masks and index copy (the CPU path).
+    interpreter in tests) instead of the torch stack, masks and index copy (the CPU path), for
+    the layouts it addresses (:attr:`~difftest.kv_layouts.KVLayout.fused_writer`).
     """
     if not data.block_ids.numel():
         return
-    dtype, lhbnc = data.k_stored.dtype, case.kv_layout == "LHBNC"
+    layout, dtype = case.layout, data.k_stored.dtype
     # the constants _attended_sides makes, so the same bits
     poison, nan = _bits(POISON, dtype), _bits(float("nan"), dtype)
     ints, canary = _ints(raw), case.canary
-    if triton:
+    if triton and layout.fused_writer:
         from difftest._cache_triton import write_attended_triton
 
+        block_stride, v_offset = layout.side_addressing(case)
         write_attended_triton(
             ints, _ints(data.k_stored), _ints(data.v_stored), data.block_ids, data.written,
             data.written if canary else _reach(case, data),
-            _read_slots(case, data) if canary else None, lhbnc=lhbnc,
-            shuffled=in_page_order == "shuffled", page_size=case.page_size, poison=poison,
-            nan=nan)
+            _read_slots(case, data) if canary else None, block_stride=block_stride,
+            v_offset=v_offset, shuffled=in_page_order == "shuffled",
+            page_size=case.page_size, poison=poison, nan=nan)
         return
     # _attended_sides on integer views, one select per side (vectorised, where fp8 is not),
     # copied through a shuffled view of the destination instead of a shuffled copy
@@ -217,17 +200,17 @@ def write_attended(case: Case, data: CaseData, raw: torch.Tensor, in_page_order:
         is_data = (tokens < data.written.view(-1, 1)) & (tokens < reach)
         fill = torch.where(tokens < reach, torch.tensor(poison, dtype=ints.dtype),
                            torch.tensor(nan, dtype=ints.dtype))
-    blocks = ints.transpose(0, 1) if lhbnc else ints  # [n, 2, 128, c]
+    blocks = layout.sides(ints, case)  # [n, 2, B, nkv, D]
     x, pages = 16 // raw.element_size(), bs // ps
     for side, stored in enumerate((data.k_stored, data.v_stored)):
         sides = torch.where(is_data[:, :, None, None], _ints(stored), fill[:, :, None, None])
         dest, lead = blocks[:, side], sides.shape[0]
         if in_page_order == "plain":
-            dest.view(n, bs, nkv, d).index_copy_(0, ids, sides)
-        elif side == 0:  # pages [nkv, D/x, 16, x]
+            dest.index_copy_(0, ids, sides)
+        elif side == 0:  # pages [nkv, D/x, P, x]
             src = sides.view(lead, pages, ps, nkv, d // x, x).permute(0, 1, 3, 4, 2, 5)
             dest.view(n, pages, nkv, d // x, ps, x).index_copy_(0, ids, src)
-        else:  # pages [nkv, 16/x, D, x]
+        else:  # pages [nkv, P/x, D, x]
             src = sides.view(lead, pages, ps // x, x, nkv, d).permute(0, 1, 4, 2, 5, 3)
             dest.view(n, pages, nkv, ps // x, d, x).index_copy_(0, ids, src)
 
@@ -240,14 +223,8 @@ class _Slot:
     check: int = 0  # the next chunk of blocks to verify
 
 
-def _raw_shape(case: Case) -> tuple[int, int, int, int]:
-    """The physical buffer's shape: LBHNC ``[n, 2, 128, c]``, LHBNC ``[2, n, 128, c]``."""
-    n, c = case.num_blocks, case.num_kv_heads * case.head_dim
-    return (n, 2, case.block_size, c) if case.kv_layout == "LBHNC" else (2, n, case.block_size, c)
-
-
 def _raw_bytes(case: Case, dtype: torch.dtype) -> int:
-    return math.prod(_raw_shape(case)) * dtype.itemsize
+    return case.layout.raw_bytes(case, dtype.itemsize)
 
 
 def _holds(spare: torch.Tensor, case: Case, dtype: torch.dtype, device: torch.device) -> bool:
@@ -261,16 +238,13 @@ def _base_buffer(case: Case, dtype: torch.dtype, device: torch.device,
     """A physical buffer in its base state: NaN, with poison on page 0 of block 0's sides.
     In the memory of ``spare`` (which the caller found large enough, :func:`_holds`) when
     given: that spares the CPU faulting in fresh pages (0.1-0.75 s at 8235 blocks)."""
-    shape = _raw_shape(case)
+    shape = case.layout.raw_shape(case)
     if spare is not None:
         raw = spare.view(-1).view(torch.uint8)[:_raw_bytes(case, dtype)].view(dtype).view(shape)
         raw.fill_(float("nan"))
     else:
         raw = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    if case.kv_layout == "LBHNC":
-        raw[0, :, : case.page_size] = POISON
-    else:
-        raw[:, 0, : case.page_size] = POISON
+    case.layout.sides(raw, case)[0, :, : case.page_size] = POISON
     return raw
 
 
@@ -318,11 +292,14 @@ class CachePool:
         """How many buffers the pool holds."""
         return len(self._slots)
 
+    def held_bytes(self) -> int:
+        """Bytes of the buffers the pool holds (reused or refilled by the next builds)."""
+        return sum(slot.raw.numel() * slot.raw.element_size() for slot in self._slots.values())
+
     def cache(self, case: Case, data: CaseData, in_page_order: str) -> CacheViews:
         """The cache of ``case`` in ``in_page_order``, in the pool's buffer: the bytes of
         ``build_cache(case, data, rows, in_page_order)``."""
-        if in_page_order not in IN_PAGE_ORDERS:
-            raise ValueError(f"in_page_order {in_page_order!r} is not one of {IN_PAGE_ORDERS}")
+        case.layout.check_order(in_page_order)
         device = data.k_stored.device
         dtype = data.k_stored.dtype
         slot_id = (case.kv_layout, in_page_order)
@@ -355,13 +332,11 @@ class CachePool:
         """Put back the base state where the last build wrote, and verify one chunk."""
         raw, ints = slot.raw, _ints(slot.raw)
         fill, poison = _bits(float("nan"), raw.dtype), _bits(POISON, raw.dtype)
-        lhbnc = case.kv_layout == "LHBNC"
-        blocks = ints.transpose(0, 1) if lhbnc else ints  # [n, 2, 128, c] either way
-        # the same bytes as 8-byte words ([n, 2, words]): an eighth of the elements to fill
-        # and compare (a block's side is 128 * c elements, a multiple of 8 bytes)
+        blocks = case.layout.sides(ints, case)  # [n, 2, B, nkv, D]
+        # the same bytes as 8-byte words, block first: an eighth of the elements to fill and
+        # compare (a block's side is B * c elements, B a multiple of 16: whole words)
         n = case.num_blocks
-        words = (ints.view(2, n, -1).view(torch.int64).transpose(0, 1) if lhbnc
-                 else ints.view(n, 2, -1).view(torch.int64))
+        words = case.layout.block_words(ints, case)
         fill_word = _word(float("nan"), raw.dtype)
         if slot.wrote.numel():
             words.index_fill_(0, slot.wrote, fill_word)

@@ -37,6 +37,7 @@ from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
 from difftest.devices import to_device
 from difftest.diagnosis import diagnosis_lines
+from difftest.footprint import refusal
 from difftest.inputs import HostTables, generate, host_tables
 from difftest.layouts import CachePool
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
@@ -249,6 +250,13 @@ def run_case(
     each call (:class:`RunHooks`)."""
     timings: dict[str, float] = {}
     rows: Sequence[SparseRow] | None = None
+    # a case this device cannot hold is refused before anything is allocated
+    refused = refusal(case, device, {o for b in backends for o in b.in_page_orders},
+                      caches.held_bytes() if caches is not None else 0)
+    if refused is not None:
+        return CaseResult(case, reference.name,
+                          [BackendResult(b.name, Status.UNSUPPORTED, detail=refused)
+                           for b in backends], timings)
     try:
         start = time.perf_counter()
         inputs = case_inputs(case, device, prepared, caches)

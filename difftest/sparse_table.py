@@ -106,10 +106,12 @@ def row_page_ids(case: Case, row: SparseRow) -> tuple[int, ...]:
 
 
 def page_table(case: Case, rows: Sequence[SparseRow]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sparse_block_table [total_q, topk*8], context_lens [total_q])``, both int32, CPU.
+    """``(sparse_block_table [total_q, topk * pages_per_side], context_lens [total_q])``,
+    both int32, CPU.
 
     Row ``n``'s slot ``s`` holds the pages of its ``s``-th segment's physical block
-    (``block * block_page_stride + j``, ``j < 8``); slots without a segment are zero."""
+    (``block * block_page_stride + j``, ``j < pages_per_side``); slots without a segment are
+    zero."""
     if len(rows) != case.total_q:
         raise ValueError(f"rows: {len(rows)} rows, the case has total_q = {case.total_q}")
     counts = np.fromiter((len(row.segments) for row in rows), dtype=np.int64, count=len(rows))
@@ -229,13 +231,15 @@ def aiter_table_differs(case: Case) -> list[int]:
 
 def kernel_sequences(case: Case) -> list[tuple[int, int]]:
     """``(first row, query tokens)`` of every sequence ``triton-unified`` passes to
-    ``unified_attention``: with ``query_lens``, a request of several rows that all select
-    their causal blocks in order (:func:`rows_are_dense`) is one sequence, causal within it;
-    every other row is a sequence of its own over its sparse table row."""
+    ``unified_attention``: in a dense case every request that is not padded, and with
+    ``query_lens`` a request of several rows that all select their causal blocks in order
+    (:func:`rows_are_dense`), is one sequence, causal within it, over its block table; every
+    other row is a sequence of its own over its sparse table row."""
     out = []
     for r in range(case.batch):
         rows = case.request_rows(r)
-        if case.query_lens and len(rows) > 1 and rows_are_dense(case, r):
+        if ((case.dense or (case.query_lens and len(rows) > 1))
+                and rows_are_dense(case, r)):
             out.append((rows.start, len(rows)))
         else:
             out.extend((n, 1) for n in rows)
@@ -244,9 +248,10 @@ def kernel_sequences(case: Case) -> list[tuple[int, int]]:
 
 def unified_query_blocks(case: Case) -> int:
     """vLLM 0.33.0's ``num_seqs * cdiv(max_seqlen_q, BLOCK_Q)`` for :func:`kernel_sequences`
-    (one KV head: ``BLOCK_M = max(16, next_pow2(Hq))``, ``BLOCK_Q = BLOCK_M // Hq``), which
-    ``unified_attention`` compares with ``seq_threshold_3D``."""
+    (``BLOCK_M = max(16, next_pow2(G))``, ``BLOCK_Q = BLOCK_M // G``, ``G`` the query heads
+    per KV head), which ``unified_attention`` compares with ``seq_threshold_3D``."""
     seqs = kernel_sequences(case)
-    block_m = 16 if case.num_q_heads <= 16 else 1 << (case.num_q_heads - 1).bit_length()
-    block_q = block_m // case.num_q_heads
+    group = case.queries_per_kv
+    block_m = 16 if group <= 16 else 1 << (group - 1).bit_length()
+    block_q = block_m // group
     return len(seqs) * -(-max(n for _, n in seqs) // block_q)

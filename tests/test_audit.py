@@ -20,7 +20,7 @@ from difftest.audit import (
 )
 from difftest.backends.pa_decode_gluon_contract import GluonEmulator
 from difftest.backends.vllm_imports import import_minimax_m3
-from difftest.case import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, CaseError
+from difftest.case import BLOCK_SIZE, HEAD_DIM, PAGE_SIZE, Case
 from difftest.cases.capabilities import Capabilities
 from difftest.cases.corpus import load_corpus
 from difftest.cases.generate import generated_cases
@@ -138,8 +138,9 @@ def test_lines_show_values_fixed_reasons_and_unknown_backends() -> None:
     assert any(line.split()[0] == "compute_type" and "value(s):" in line for line in lines[2:])
 
 
-# The sizes the case model holds (difftest/case.py validate), by kernel: which each kernel
-# reads from its tensors (minimax-m3-sparse-decode.md sections 1, 3, 5).
+# The sizes of MiniMax-M3's geometry (the sparse family's; difftest/case.py MODEL_GEOMETRY), by
+# kernel: which each kernel reads from its tensors (minimax-m3-sparse-decode.md sections 1, 3,
+# 5). unified_attention also runs the dense family's other geometry, so its sizes are measured.
 HELD = {"head_dim": str(HEAD_DIM), "page_size": str(PAGE_SIZE), "block_size": str(BLOCK_SIZE),
         "num_kv_heads": "1"}
 SIZES_BY_KERNEL = {
@@ -148,25 +149,38 @@ SIZES_BY_KERNEL = {
     "minimax_m3_sparse_attn_decode_aiter": {"head_dim", "page_size", "block_size"},
     "pa_decode_gluon": {"head_dim", "page_size", "block_size", "num_kv_heads"},
 }
+MEASURED = {"unified_attention"}
+OTHER_GEOMETRY = {"head_dim": 96, "page_size": 32, "block_size": 256, "num_kv_heads": 2}
 
 
-@pytest.mark.parametrize("size", ["head_dim", "page_size", "block_size"])
-def test_the_case_model_holds_each_size_the_audit_lists_as_fixed(size: str) -> None:
-    """Each held size is one value in the case model; a case with another is refused."""
-    case = load_corpus()[0]
-    with pytest.raises(CaseError, match=size):
-        case.replace(**{size: int(HELD[size]) * 2})
+@pytest.mark.parametrize("size", sorted(HELD))
+def test_the_m3_backends_refuse_each_size_the_audit_lists_as_fixed(size: str) -> None:
+    """A case off MiniMax-M3's geometry in one size is refused by each backend whose kernel
+    lists that size as fixed, naming it; triton-unified runs it."""
+    case = Case(num_blocks=4, seq_lens=(100,), block_tables=((1,),), selections=((0,),),
+                num_q_heads=4)
+    other = case.replace(**{size: OTHER_GEOMETRY[size]})
+    cpu = torch.device("cpu")
+    for backend in select(discover(), list(DEFAULT_CPU_BACKENDS)):
+        kernel = kernel_of(backend.name)
+        reason = backend.unsupported_reason(other, cpu)
+        if kernel in MEASURED:
+            assert reason is None, (backend.name, reason)
+        elif any(a.name == size for a in DIMENSIONS[kernel]):
+            assert reason is not None and f"{size} {OTHER_GEOMETRY[size]}" in reason
 
 
 def test_sizes_read_from_shapes_are_listed_as_fixed_with_reasons_and_where() -> None:
     """head dim 128, page size 16, block size 128 (and one KV head where it is in a shape)
     are fixed entries of every kernel that reads them, with the arguments that carry them,
-    in the text and the JSON as num_kv_heads is."""
+    in the text and the JSON as num_kv_heads is; unified_attention's are measured, with the
+    same reasons for the model's value."""
     assert {k: {a.name for a in sizes} for k, sizes in DIMENSIONS.items()} == SIZES_BY_KERNEL
     signature_names = {k: {a.name for a in args} for k, args in KERNELS.items()}
     for kernel, sizes in DIMENSIONS.items():
         for size in sizes:
-            assert size.fixed_value == HELD[size.name] and size.value is None, size
+            assert size.fixed_value == HELD[size.name], size
+            assert (size.value is not None) == (kernel in MEASURED), size
             assert len(size.fixed) > 40 and size.shape, size
             carried = {part.split(".")[0].split()[0] for part in
                        size.shape.replace(";", ",").split(",")}
@@ -186,9 +200,9 @@ def test_sizes_read_from_shapes_are_listed_as_fixed_with_reasons_and_where() -> 
             entry = entries[size.name]
             assert entry["fixed"] == {"value": HELD[size.name], "reason": size.fixed,
                                       "shape": size.shape}
-            assert entry["values"] == [] and not entry["blind"]
-    for kernel, size in [("unified_attention", "page_size"),
-                         ("minimax_m3_sparse_attn_decode", "head_dim"),
+            measured = [HELD[size.name]] if kernel in MEASURED else []
+            assert entry["values"] == measured and not entry["blind"]
+    for kernel, size in [("minimax_m3_sparse_attn_decode", "head_dim"),
                          ("pa_decode_gluon", "block_size")]:
         (argument,) = [a for a in DIMENSIONS[kernel] if a.name == size]
         assert any(line.split()[0] == size and f"fixed {HELD[size]} ({argument.shape}): "

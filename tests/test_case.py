@@ -37,8 +37,12 @@ def test_id_depends_on_content_not_name() -> None:
     ("changes", "field", "allowed"),
     [
         ({"block_tables": ((128, 3),)}, "block_tables[0][0]", "0..127 (num_blocks = 128)"),
-        ({"num_kv_heads": 2}, "num_kv_heads", "integer 1..1"),
-        ({"head_dim": 64}, "head_dim", "integer 128..128"),
+        ({"num_kv_heads": 9}, "num_kv_heads", "integer 1..8"),
+        ({"num_kv_heads": 3}, "num_q_heads", "a multiple of num_kv_heads"),
+        ({"head_dim": 112}, "head_dim", "64, 80, 96, 128, 256"),
+        ({"page_size": 24}, "page_size", "a multiple of 16 in 16..512"),
+        ({"block_size": 136}, "block_size", "a multiple of page_size up to 512"),
+        ({"kv_layout": "split"}, "page_size", "page_size = block_size"),
         ({"decode_query_len": 5}, "decode_query_len", "integer 1..4"),
         ({"query_dtype": "float64"}, "query_dtype", "float32, float16, bfloat16"),
         ({"k_scale": 2.0}, "k_scale", "1.0 (scales apply to fp8 KV only)"),
@@ -50,7 +54,10 @@ def test_id_depends_on_content_not_name() -> None:
         ({"block_tables": ((3, 3),)}, "block_tables[0][1]", "each physical block holds one"),
         ({"seq_lens": (0,), "block_tables": ((),), "num_blocks": 0}, "num_blocks",
          "integer 1..1048576"),
-        ({"kv_layout": "NHD"}, "kv_layout", "LBHNC, LHBNC"),
+        ({"kv_layout": "NHD"}, "kv_layout", "LBHNC, LHBNC, split"),
+        ({"dense": True, "selections": ((1, 0, -1),)}, "selections[0]",
+         "its causal blocks in order, then -1: [0, 1, -1]"),
+        ({"dense": True, "selections": ((0,),)}, "selections[0]", "at least 2 lanes"),
     ],
 )
 def test_bad_fields_name_field_and_range(changes, field, allowed) -> None:

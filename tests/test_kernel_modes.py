@@ -58,7 +58,8 @@ def test_fields_at_their_off_values_keep_old_ids_and_json() -> None:
     assert BASE.replace(canary=True).kernel_modes == ()
     every = PREFILL.replace(kv_dtype="float8_e4m3fn", q_scale=0.5, split_k_segments=16,
                             seq_threshold_3d=3)
-    assert set(MODE_DEFAULTS) - {"softcap", "sliding_window", "canary"} <= set(every.to_dict())
+    assert set(MODE_DEFAULTS) - {"softcap", "sliding_window", "canary", "dense"} <= set(
+        every.to_dict())
     assert every.kernel_modes == ("q_scale", "query_lens", "split_k_segments")
     assert Case.from_json(every.to_json()) == every
 

@@ -110,6 +110,12 @@ def emulated_arch(case: Case) -> str:
 
 def gluon_unsupported(case: Case, device: torch.device, emulated: bool) -> str | None:
     """What ``pa_decode_gluon`` refuses; the real kernel also needs its GPU's fp8 flavour."""
+    geometry = case.outside_model_geometry()
+    if geometry:
+        return (f"{geometry}: the MiniMax-M3 pa_decode_gluon callers (the adapter's K-trim "
+                "and page-16 table, vLLM's builder, the emulator) address MiniMax-M3's "
+                "geometry only (head_dim 128, 128-token blocks of 16-token pages, one KV "
+                "head, an LBHNC or LHBNC cache)")
     if case.kernel_modes:
         return (f"{' and '.join(case.kernel_modes)}: the MiniMax-M3 sparse decode has no such "
                 "mode, so neither pa_decode_gluon caller passes one")

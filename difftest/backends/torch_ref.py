@@ -2,7 +2,8 @@
 
 It never reads the physical cache or its views: each query row gathers the stored K/V of the
 tokens the framework's sparse table says it attends, dequantises them and runs a plain
-softmax, all rows at once, in float64; on a GPU through two fused Triton kernels. It also
+softmax, all rows at once, in float64 (with several KV heads, query head ``h`` reads KV
+head ``h // (Hq / Hkv)``); on a GPU through two fused Triton kernels. It also
 returns the two magnitudes the tolerance needs (``abs_output``, ``logit_magnitude``), summed
 in float32. The formulation, the kernel modes and the error bounds: docs/reference.md.
 """
@@ -71,9 +72,19 @@ class TorchReference:
         mode = _Mode(case.block_size, case.softmax_scale * case.k_scale, case.v_scale,
                      case.softcap, case.sliding_window,
                      max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim)))
-        args = (data.query, data.k_stored[:, :, 0], data.v_stored[:, :, 0],  # [blocks, 128, D]
-                seg.slots, seg.tokens, seg.starts, seg.context_lens)
-        out, abs_out, magnitude = _GRAPHS(_sums, args, mode)
+        # GQA: query head h reads KV head h // (Hq / Hkv); one pass per KV head
+        group = case.queries_per_kv
+        parts = []
+        for g in range(case.num_kv_heads):
+            query = data.query[:, g * group:(g + 1) * group]
+            if case.num_kv_heads > 1:  # contiguous operands (one head: the tensors as they are)
+                query = query.contiguous()
+            args = (query, data.k_stored[:, :, g].contiguous(),  # [blocks, B, D]
+                    data.v_stored[:, :, g].contiguous(),
+                    seg.slots, seg.tokens, seg.starts, seg.context_lens)
+            parts.append(_GRAPHS(_sums, args, mode))
+        out, abs_out, magnitude = (torch.cat(p, dim=1) if len(parts) > 1 else p[0]
+                                   for p in zip(*parts, strict=True))
         return Reference(out, abs_out, magnitude, seg.context_lens)
 
 
@@ -138,7 +149,7 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
     slots = seg.slots[rows]
     n, length = slots.shape[0], seg.width * mode.block_size
     token = torch.arange(mode.block_size, device=slots.device)
-    mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
+    mask = token < seg.tokens[rows, :, None]  # [R, width, B]
     if mode.sliding_window:
         ordinal = seg.starts[rows, :, None] + token
         mask &= ordinal >= seg.context_lens[rows, None, None] - mode.sliding_window
@@ -156,7 +167,7 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
         k_sq = k_gathered.to(f32).square_()
         sums = torch.einsum("rhd,rld->rhl", q_sq, k_sq)
         del k_sq
-        # per 128-token block, the blocks' sums added in float64
+        # per block, the blocks' sums added in float64
         weights = probs.to(f32).view(n, -1, seg.width, mode.block_size)
         sizes = v.to(f32).abs_().view(n, seg.width, mode.block_size, -1)
         abs_sum = torch.einsum("rhwt,rwtd->rhwd", weights, sizes).to(f64).sum(dim=2)
@@ -164,8 +175,16 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
 
 
 def _triton_reads(k_stored: torch.Tensor) -> bool:
-    """Whether :mod:`backends._reference_triton` computes this case: on a CUDA/ROCm GPU."""
-    return k_stored.device.type == "cuda"
+    """Whether :mod:`backends._reference_triton` computes this case: on a CUDA/ROCm GPU, for
+    blocks and head sizes its tiles cover (``tl.arange`` needs powers of two, the head size
+    whole chunks); other geometries (head sizes 80 and 96, 48-token blocks) run in torch."""
+    _, block, dim = k_stored.shape
+    return (k_stored.device.type == "cuda" and _power_of_two(block) and block >= 16
+            and _power_of_two(dim) and dim >= 32)
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,

@@ -121,7 +121,12 @@ class VllmTritonSparse:
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """Kernel modes, irregular selections it reads differently (F4), interpreted bf16,
-        mixed non-fp8 dtypes, fnuz on NVIDIA."""
+        mixed non-fp8 dtypes, fnuz on NVIDIA; geometry other than MiniMax-M3's."""
+        geometry = case.outside_model_geometry()
+        if geometry:
+            return (f"{geometry}: minimax_m3_sparse_attn_decode reads MiniMax-M3's cache "
+                    "(head_dim 128, 128-token blocks of 16-token pages, one KV head), which "
+                    "this adapter repacks from an LBHNC or LHBNC cache only")
         if case.kernel_modes:
             return (f"{' and '.join(case.kernel_modes)}: minimax_m3_sparse_attn_decode has no "
                     "such mode")

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 
 from difftest.backend import Backend
 from difftest.case import KV_LAYOUTS, Case, CaseError
+from difftest.cases.dense import dense_cases
 from difftest.cases.strategies import DtypeCombo, cases, dtype_combos
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
 
@@ -249,6 +250,13 @@ class Capabilities:
         examples some backend runs in no variant; ``options`` go to it (``max_batch``, ...)."""
         return cases(combos=self.combos, accept=self.accept, redraws=REDRAWS,
                      kernel_modes=self.draws_modes, **options)
+
+    def dense_strategy(self, **options: Any) -> st.SearchStrategy[Case]:
+        """:func:`~difftest.cases.dense.dense_cases` over the dtype pairs some backend runs
+        (the geometry is drawn whatever the backends say: a backend that runs MiniMax-M3's
+        geometry only reports such a case ``unsupported``, with its reason)."""
+        pairs = tuple(dict.fromkeys((q, kv) for _, q, kv in self.combos))
+        return dense_cases(pairs=pairs, kernel_modes=self.draws_modes, **options)
 
     def lines(self) -> list[str]:
         """What generation fitted or left out, for which backend and why (empty: nothing)."""
