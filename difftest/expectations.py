@@ -5,10 +5,11 @@ the cases that trigger it. ``expectations.json`` at the top of the checkout list
 once, keyed by the backends it concerns, the releases that have it (a PEP 440 specifier over
 one ``versions`` entry of the backend, e.g. ``amd-aiter <=0.1.20.post1``) and the condition
 on the case that triggers it (case fields, plus ``nonfinite`` when the symptom is a
-non-finite output). :func:`judge` sorts a report's failing results into new failures and
-known bugs, and names every expectation whose condition some case of the run met on a
-matching release without the bug showing (like a strict xfail): the bug may be fixed, so
-the entry must be revisited. ``$DIFFTEST_EXPECTATIONS`` points at another file.
+non-finite output, or ``error``, a text the backend's error contains, when it raises).
+:func:`judge` sorts a report's failing results into new failures and known bugs, and names
+every expectation whose condition some case of the run met on a matching release without the
+bug showing (like a strict xfail): the bug may be fixed, so the entry must be revisited.
+``$DIFFTEST_EXPECTATIONS`` points at another file.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Expectation:
     releases: SpecifierSet
     when: Mapping[str, Mapping[str, Any]]
     nonfinite: bool = False
+    error: str = ""
 
     def concerns(self, result: ResultRecord) -> bool:
         """Whether ``result`` comes from a backend and release this bug is known in."""
@@ -58,9 +60,12 @@ class Expectation:
             return False
 
     def triggered_by(self, case: Mapping[str, Any]) -> bool:
-        """Whether the case meets the condition (absent fields read as 0/false)."""
+        """Whether the case meets the condition (absent fields read as 0/false; ``topk``
+        and ``max_seqlen_k``, the longest selection and it times the block size, derived)."""
+        derived = {"topk": max((len(row) for row in case.get("selections", ())), default=0)}
+        derived["max_seqlen_k"] = derived["topk"] * case.get("block_size", 128)
         for name, test in self.when.items():
-            value = case.get(name, 0)
+            value = case.get(name, derived.get(name, 0))
             if "equals" in test and value != test["equals"]:
                 return False
             if "min" in test and not (isinstance(value, int | float) and value >= test["min"]):
@@ -70,10 +75,13 @@ class Expectation:
         return True
 
     def explains(self, case: CaseRecord, result: ResultRecord) -> bool:
-        """Whether this bug explains ``result`` of ``case`` (a disagreement only)."""
-        if result.status is not Status.DISAGREE or not self.concerns(result):
+        """Whether this bug explains ``result`` of ``case``: a disagreement, or with
+        ``error`` an error whose detail contains it."""
+        if not self.concerns(result) or not self.triggered_by(case.case):
             return False
-        if not self.triggered_by(case.case):
+        if self.error:
+            return result.status is Status.ERROR and self.error in result.detail
+        if result.status is not Status.DISAGREE:
             return False
         return not self.nonfinite or (result.comparison is not None
                                       and result.comparison.nonfinite > 0)
@@ -97,7 +105,7 @@ class Judgement:
         out = []
         for finding, hits in sorted(self.known.items()):
             backends = sorted({result.backend for _, result in hits})
-            out.append(f"KNOWN BUG {finding}: {len(hits)} disagreement(s) on "
+            out.append(f"KNOWN BUG {finding}: {len(hits)} failure(s) on "
                        f"{', '.join(backends)} (docs/findings.md {finding}); not new failures")
         for finding, matching in sorted(self.unseen.items()):
             out.append(f"EXPECTED BUG NOT SEEN {finding}: {matching} result(s) met its "
@@ -118,7 +126,7 @@ def _expectation(entry: Any, where: str) -> Expectation:
         key, _, specifier = str(entry["releases"]).partition(" ")
         return Expectation(str(entry["finding"]), str(entry.get("summary", "")),
                            tuple(entry["backends"]), key, SpecifierSet(specifier), when,
-                           bool(entry.get("nonfinite", False)))
+                           bool(entry.get("nonfinite", False)), str(entry.get("error", "")))
     except KeyError as exc:
         raise ExpectationError(f"{where}: missing field {exc.args[0]!r}") from exc
     except InvalidSpecifier as exc:
@@ -148,7 +156,7 @@ def judge(cases: Iterable[CaseRecord], expectations: list[Expectation]) -> Judge
         for result in case.results:
             for expectation in expectations:
                 if expectation.concerns(result) and expectation.triggered_by(case.case) and (
-                        result.status in (Status.AGREE, Status.DISAGREE)):
+                        result.status in (Status.AGREE, Status.DISAGREE, Status.ERROR)):
                     matching[expectation.finding] = matching.get(expectation.finding, 0) + 1
             if result.status not in FAILING:
                 continue
