@@ -66,6 +66,9 @@ def test_an_expected_bug_that_no_longer_shows_fails_the_run(tmp_path: Path) -> N
                                    expectations.load(write(tmp_path, ENTRY)))
     assert judgement.failed and judgement.unseen == {"F99": 1}
     assert "EXPECTED BUG NOT SEEN F99: 1 result(s)" in judgement.lines()[0]
+    loose = expectations.judge([record(0.01, Status.AGREE)],
+                               expectations.load(write(tmp_path, ENTRY | {"strict": False})))
+    assert not loose.failed and "not a failure" in loose.lines()[0]
     untouched = expectations.judge([record(30.0, Status.AGREE)],
                                    expectations.load(write(tmp_path, ENTRY)))
     assert not untouched.failed  # no case met the condition: nothing to say
