@@ -121,8 +121,10 @@ class AiterUnified:
         if devices.visible_gpu_count() and devices.gpu_vendor() != "amd" and (
                 not devices.interpreted()):
             return Availability(False, "AITER's Triton unified_attention targets AMD GPUs: it "
-                                "asks Triton for a gfx arch and uses AMD-only launch options "
-                                "(waves_per_eu); this GPU is not AMD")
+                                "launches with waves_per_eu, an AMD-only option that Triton's "
+                                "CUDA backend rejects ('Keyword argument waves_per_eu was "
+                                "specified but unrecognised'), and reads a gfx arch from "
+                                "Triton's target; this GPU is not AMD")
         return Availability(True)
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
