@@ -142,9 +142,10 @@ def test_shuffled_views_agree_on_a_tree_that_has_them() -> None:
 
 
 def direct_call(source: Any, softcap: float = 0.0, window: int = 0,
-                nan_before_window: bool = False) -> torch.Tensor:
+                nan_before_window: bool = False, context: int = 16) -> torch.Tensor:
     """AITER's ``unified_attention`` on one 16-token page, one head of 64, fp16, called
-    directly (no adapter): the output row."""
+    directly (no adapter): the output row. ``context`` < 16 leaves the page's last slots
+    past the row's context, NaN."""
     answers = DeviceAnswers.for_arch("gfx950")
     path = source.find("ops/triton/attention/unified_attention.py",
                        "ops/triton/unified_attention.py")
@@ -155,11 +156,12 @@ def direct_call(source: Any, softcap: float = 0.0, window: int = 0,
     v = torch.randn(1, 16, 1, 64, generator=generator).half()
     if nan_before_window:
         v[0, : 16 - window] = float("nan")  # slots the window excludes: never attended
+    v[0, context:] = float("nan")  # past the context: never attended
     out = torch.zeros(1, 1, 64, dtype=torch.float16)
     with answering(answers):
         unified_attention(
             q=q, k=k, v=v, out=out, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
-            max_seqlen_q=1, seqused_k=torch.tensor([16], dtype=torch.int32), max_seqlen_k=16,
+            max_seqlen_q=1, seqused_k=torch.tensor([context], dtype=torch.int32), max_seqlen_k=16,
             softmax_scale=1.0, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
             block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=softcap,
             q_descale=None, k_descale=None, v_descale=None)
@@ -187,11 +189,52 @@ def test_f22_nan_v_slots_before_the_window_poison_the_row() -> None:
     assert direct_call(WHEEL, window=4).isfinite().all()
 
 
+@needs_aiter
+@on_cpu
+def test_f24_nan_v_slots_past_the_context_poison_the_row() -> None:
+    """A 15-token context in a 16-token page whose slot 15 is NaN: the output is NaN."""
+    assert direct_call(WHEEL, context=15).isnan().all()
+    assert direct_call(WHEEL, context=16).isfinite().all()
+
+
 @on_cpu
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning",
                             "ignore:divide by zero encountered:RuntimeWarning")
-def test_f21_f22_are_still_in_the_newest_tag() -> None:
+def test_f21_f22_f24_are_still_in_the_newest_tag() -> None:
     tree = tree_from("v0.1.20.post1")
     assert direct_call(tree, softcap=0.01).isnan().all()
     assert direct_call(tree, window=4, nan_before_window=True).isnan().all()
+    assert direct_call(tree, context=15).isnan().all()
+
+
+def direct_3d_call(source: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """AITER's ``unified_attention`` on fp16 K/V with ``max_seqlen_k`` 640 (> 512: the 3-D
+    kernel), one query row over 40 pages, called directly: the output row and float64
+    attention of the same inputs."""
+    answers = DeviceAnswers.for_arch("gfx950")
+    path = source.find("ops/triton/attention/unified_attention.py")
+    unified_attention = source.load(path, answers).unified_attention
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 64, generator=generator).half()
+    k = torch.randn(40, 16, 1, 64, generator=generator).half()
+    v = torch.randn(40, 16, 1, 64, generator=generator).half()
+    out = torch.zeros(1, 1, 64, dtype=torch.float16)
+    with answering(answers):
+        unified_attention(
+            q=q, k=k, v=v, out=out, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+            max_seqlen_q=1, seqused_k=torch.tensor([640], dtype=torch.int32), max_seqlen_k=640,
+            softmax_scale=0.125, causal=True, window_size=(-1, -1),
+            block_table=torch.arange(40, dtype=torch.int32)[None], softcap=0.0,
+            q_descale=None, k_descale=None, v_descale=None)
+    keys, values = k.double().flatten(0, 2), v.double().flatten(0, 2)
+    expected = torch.softmax(q[0].double() @ keys.T * 0.125, dim=-1) @ values
+    return out[0, 0], expected[0]
+
+
+@on_cpu
+def test_f23_fp16_kv_on_the_3d_kernel_raises_in_v0_1_16_only() -> None:
+    with pytest.raises(AssertionError, match="kv_cache_dtype only supports BF16"):
+        direct_3d_call(tree_from("v0.1.16"))
+    actual, expected = direct_3d_call(tree_from("v0.1.16.post3"))
+    torch.testing.assert_close(actual.double(), expected, atol=2e-3, rtol=0)

@@ -46,7 +46,7 @@ def test_a_matching_disagreement_is_a_known_bug_not_a_new_failure(tmp_path: Path
                                     record(30.0, Status.AGREE)], known)
     assert not judgement.failed and not judgement.new
     assert len(judgement.known["F99"]) == 2
-    assert judgement.lines()[0].startswith("KNOWN BUG F99: 2 disagreement(s) on kern, kern[")
+    assert judgement.lines()[0].startswith("KNOWN BUG F99: 2 failure(s) on kern, kern[")
 
 
 @pytest.mark.parametrize("case", [
@@ -66,6 +66,9 @@ def test_an_expected_bug_that_no_longer_shows_fails_the_run(tmp_path: Path) -> N
                                    expectations.load(write(tmp_path, ENTRY)))
     assert judgement.failed and judgement.unseen == {"F99": 1}
     assert "EXPECTED BUG NOT SEEN F99: 1 result(s)" in judgement.lines()[0]
+    loose = expectations.judge([record(0.01, Status.AGREE)],
+                               expectations.load(write(tmp_path, ENTRY | {"strict": False})))
+    assert not loose.failed and "not a failure" in loose.lines()[0]
     untouched = expectations.judge([record(30.0, Status.AGREE)],
                                    expectations.load(write(tmp_path, ENTRY)))
     assert not untouched.failed  # no case met the condition: nothing to say
@@ -84,3 +87,23 @@ def test_the_checkouts_file_reads() -> None:
     assert {e.finding for e in known} >= {"F21", "F22"}
     for expectation in known:
         assert expectation.backends and str(expectation.releases)
+
+
+def test_an_error_entry_explains_only_that_error(tmp_path: Path) -> None:
+    entry = ENTRY | {"finding": "F98", "when": {}, "nonfinite": False,
+                     "error": "kv_cache_dtype only supports"}
+    known = expectations.load(write(tmp_path, entry))
+    raised = record(0.0, Status.ERROR)
+    raised.results[0].detail = "AssertionError: kv_cache_dtype only supports BF16"
+    other = record(0.0, Status.ERROR)
+    other.results[0].detail = "IndexError: out of range"
+    judgement = expectations.judge([raised, other], known)
+    assert [c for c, _ in judgement.known["F98"]] == [raised]
+    assert judgement.new == [(other, other.results[0])]
+
+
+def test_conditions_read_the_derived_context_length(tmp_path: Path) -> None:
+    entry = ENTRY | {"when": {"max_seqlen_k": {"min": 513}}, "nonfinite": False}
+    known = expectations.load(write(tmp_path, entry))[0]
+    assert known.triggered_by({"selections": [[0, 1, 2, 3, 4]], "block_size": 128})
+    assert not known.triggered_by({"selections": [[0, 1, 2, 3]], "block_size": 128})

@@ -5,7 +5,7 @@ vLLM's: each query row is a sequence of length 1 (or, with ``query_lens``, a req
 rows select their causal blocks in order is one causal sequence) attending
 ``context_lens[row]`` tokens through the framework's page-16 sparse table, on the untrimmed K
 and V views (2048 vs 2040 pages at 128 blocks), fp8 K/V with per-tensor ``k_descale`` and
-``v_descale``, fp8 queries with ``q_descale`` (releases from v0.1.16), the logit softcap, and
+``v_descale``, fp8 queries with ``q_descale`` (releases from v0.1.12), the logit softcap, and
 the sliding window ``W`` as ``window_size=(W - 1, 0)``.
 
 ``aiter-unified`` reads the plain page-16 views ``[pages, 16, nkv, D]``;
@@ -26,7 +26,6 @@ Native on a ROCm GPU; on the CPU under ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import inspect
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,9 +52,11 @@ from difftest.sparse_table import kernel_sequences
 
 KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
                 "ops/triton/unified_attention.py")
+IMPL_FILES = ("ops/triton/_triton_kernels/attention/unified_attention.py",
+              "ops/triton/_triton_kernels/unified_attention.py")
 TYPES_FILES = ("ops/triton/utils/types.py",)
+CASTS_KV = "K = K_load.to(Q.dtype)"  # the kernels convert every K/V tile (v0.1.12 on)
 MAX_2D_SEQLEN_K = 512  # AITER: max_seqlen_k <= 512 always takes the 2-D kernel
-_KV_DTYPE_ASSERT = re.compile(r"^\s*assert kv_cache_dtype in \(([^)]*)\)", re.M)
 
 
 def case_arch(case: Case) -> str:
@@ -120,14 +121,17 @@ class AiterUnified:
         if devices.visible_gpu_count() and devices.gpu_vendor() != "amd" and (
                 not devices.interpreted()):
             return Availability(False, "AITER's Triton unified_attention targets AMD GPUs: it "
-                                "asks Triton for a gfx arch and uses AMD-only launch options "
-                                "(waves_per_eu); this GPU is not AMD")
+                                "launches with waves_per_eu, an AMD-only option that Triton's "
+                                "CUDA backend rejects ('Keyword argument waves_per_eu was "
+                                "specified but unrecognised'), and reads a gfx arch from "
+                                "Triton's target; this GPU is not AMD")
         return Availability(True)
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """bf16 and fp8 queries under the interpreter (F1, F12); fp8 queries on releases
-        without ``q_descale``; fp8 formats that are not the arch's AITER fp8 type; mixed
-        16/32-bit dtypes (no cast of 16/32-bit K/V); fp8 queries on shuffled page-16 views."""
+        without ``q_descale``; fp8 formats that are not the arch's AITER fp8 type; before
+        v0.1.12, mixed 16/32-bit dtypes (no cast of 16/32-bit K/V); fp8 queries on shuffled
+        page-16 views."""
         if device.type == "cpu" and case.query_dtype == "bfloat16":
             return INTERPRETER_BF16_FINDING
         if case.is_fp8:
@@ -140,19 +144,16 @@ class AiterUnified:
         if case.q_scale:
             if device.type == "cpu":
                 return INTERPRETER_FP8_QUERY_FINDING
-            if "q_descale_ptr" not in self._kernel_source():
+            if "assert q_descale is None" in self._kernel_source():
                 return (f"fp8 queries: AITER {self._version()}'s unified_attention asserts "
-                        "q_descale is None (q descale from v0.1.16)")
+                        "q_descale is None (q descale from v0.1.12)")
             if self.shuffled:
                 return ("fp8 queries on shuffled fp8 views: AITER asserts block_size >= 32 "
                         "for A8W8 with a pre-shuffled cache; these views have 16-token pages")
-        allowed = self._kv_dtypes_3d()
-        if allowed is not None and not case.is_fp8 and case.kv_dtype not in allowed and (
-                kernel_path(case, self._compute_units(case, device)) == "3D"):
-            return (f"{case.kv_dtype} KV on the 3-D kernel: AITER {self._version()}'s "
-                    f"select_3d_config asserts kv_cache_dtype in ({', '.join(allowed)}, fp8)")
-        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
-            return (f"AITER's unified_attention converts only fp8 K/V to the query dtype: a "
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype and (
+                CASTS_KV not in self._kernel_source(IMPL_FILES)):
+            return (f"AITER {self._version()}'s unified_attention converts only fp8 K/V to "
+                    f"the query dtype (every K/V from v0.1.12): a "
                     f"{case.kv_dtype} cache needs {case.kv_dtype} queries (tl.dot rejects "
                     f"{case.query_dtype} x {case.kv_dtype})")
         return None
@@ -191,21 +192,6 @@ class AiterUnified:
                 f"get_num_sms() -> {', '.join(f'{a}: {n}' for a, n in COMPUTE_UNITS.items())}")
         return versions
 
-    def _kv_dtypes_3d(self) -> tuple[str, ...] | None:
-        """The 16-bit KV dtypes the release's 3-D config asserts (the last such assertion:
-        the CDNA branch where there are several), ``None`` without one."""
-        found = _KV_DTYPE_ASSERT.findall(self._kernel_source())
-        if not found:
-            return None
-        names = re.findall(r"torch\.(float16|bfloat16)\b", found[-1])
-        return tuple(names)
-
-    def _compute_units(self, case: Case, device: torch.device) -> int:
-        """The CU count AITER sees: the answered one on the CPU, the GPU's otherwise."""
-        if device.type == "cpu":
-            return self._answers(case).compute_units
-        return torch.cuda.get_device_properties(device).multi_processor_count
-
     def _version(self) -> str:
         return self.source.version if self.source else "unknown"
 
@@ -213,10 +199,10 @@ class AiterUnified:
         """What the CPU run tells AITER about the device for ``case``."""
         return DeviceAnswers.for_arch(self.arch or case_arch(case))
 
-    def _kernel_source(self) -> str:
-        """The text of the tree's ``unified_attention`` host file."""
+    def _kernel_source(self, files: tuple[str, ...] = KERNEL_FILES) -> str:
+        """The text of the tree's ``unified_attention`` host file (or of ``files``)."""
         source = self._require_source()
-        path = source.find(*KERNEL_FILES)
+        path = source.find(*files)
         return path.read_text() if path else ""
 
     def _require_source(self) -> AiterSource:
