@@ -99,6 +99,18 @@ def _directory(text: str) -> str:
     return text
 
 
+def _report_file(text: str) -> str:
+    """argparse type: a report whose every case can be read (:mod:`difftest.cases.recorded`)."""
+    from difftest.cases.recorded import recorded_runs
+    from difftest.report import ReportError
+
+    try:
+        recorded_runs(text, ())
+    except ReportError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _jobs(text: str) -> int:
     """argparse type: an integer >= 1, or ``auto`` (0: decided by :func:`_job_count`)."""
     if text == "auto":
@@ -234,6 +246,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.cases.corpus import load_corpus
     from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
+    from difftest.cases.recorded import recorded_runs
     from difftest.plan import RunPlan, execute, session_report
     from difftest.replay import report_previous_crashes
     from difftest.report import write_report
@@ -254,12 +267,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                              args.artifacts, args.reference)
     # the parent of --jobs turns earlier runs' pending cases into crashes, not each job
     earlier = [] if job else report_previous_crashes(args.artifacts, "difftest run")
+    if args.cases_from:  # an earlier report's cases replace the corpus and generated ones
+        args.no_corpus, args.examples = True, 0
     capabilities = Capabilities.probe(session.backends, session.device)
     plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
                          [*generated_cases(args.examples, args.seed, capabilities.strategy()),
                           *generated_cases(dense_examples(args.examples), args.seed,
                                            capabilities.dense_strategy())],
-                         shard)
+                         shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
+                         if args.cases_from else ())
     progress = Progress(len(plan.runs), job.count if job else 1)
     shown = 0
     for result in execute(session, plan, Path(args.claims) if job else None):
@@ -269,6 +285,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     report = session_report(session, {
         "runner": "difftest run", "examples": args.examples, "seed": args.seed,
         "corpus": not args.no_corpus, "shard": str(shard) if shard else None,
+        "cases_from": args.cases_from,
         "generation": list(plan.generation), "case_set": plan.counts()}, earlier)
     session.close()
     document = report.to_dict()
@@ -341,6 +358,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
                f"--seed={args.seed}", *(f"--plugin={p}" for p in args.plugin)]
     options += [f"--backends={','.join(args.backends)}"] if args.backends else []
     options += ["--no-corpus"] if args.no_corpus else []
+    options += [f"--cases-from={args.cases_from}"] if args.cases_from else []
     options += [f"--shard={args.shard}"] if args.shard else []
     for k, env in enumerate(gpu_envs, 1):
         if env:
@@ -488,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "that refuse it)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated case set")
     p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
+    p.add_argument("--cases-from", type=_report_file, metavar="REPORT",
+                   help="run exactly the cases of this report (a baseline's), instead of the "
+                   "corpus and generated cases")
     p.add_argument("--shard", metavar="K/N",
                    help="run only shard K of N (1-based) of the case set, split by case id")
     p.add_argument("--jobs", type=_jobs, default=1, metavar="N|auto",

@@ -26,15 +26,15 @@ from difftest.runner import CaseResult
 from difftest.session import Session
 from difftest.shard import Shard
 
-Origin = Literal["corpus", "generated", "fitted"]
-ORIGINS: tuple[Origin, ...] = ("corpus", "generated", "fitted")
+Origin = Literal["corpus", "generated", "fitted", "recorded"]
+ORIGINS: tuple[Origin, ...] = ("corpus", "generated", "fitted", "recorded")
 
 
 @dataclass(frozen=True)
 class PlannedRun:
     """One case on ``backends`` (``None``: every backend under test); ``origin`` says where
-    the case comes from: the pinned corpus, a generated example as drawn, or a variant of one
-    fitted to the backends that refuse it."""
+    the case comes from: the pinned corpus, a generated example as drawn, a variant of one
+    fitted to the backends that refuse it, or an earlier report (``--cases-from``)."""
 
     case: Case
     backends: tuple[str, ...] | None
@@ -51,13 +51,16 @@ class RunPlan:
 
     @classmethod
     def build(cls, capabilities: Capabilities, cases: Iterable[Case],
-              examples: Iterable[Case], shard: Shard | None = None) -> RunPlan:
+              examples: Iterable[Case], shard: Shard | None = None,
+              recorded: Iterable[tuple[Case, tuple[str, ...] | None]] = ()) -> RunPlan:
         """The corpus ``cases`` on every backend, then each generated example fitted to the
-        backends (:meth:`Capabilities.fit_all`); only those in ``shard`` when given."""
+        backends (:meth:`Capabilities.fit_all`), then the ``recorded`` runs of an earlier
+        report as they were; only those in ``shard`` when given."""
         examples = list(examples)
         runs = [PlannedRun(case, None, "corpus") for case in cases]
         runs += [PlannedRun(f.case, f.backends, "fitted" if f.changes else "generated")
                  for f in capabilities.fit_all(examples)]
+        runs += [PlannedRun(case, names, "recorded") for case, names in recorded]
         if shard is not None:
             runs = [run for run in runs if shard.contains(run.case)]
         return cls(tuple(runs), tuple(capabilities.lines()), len(examples))
@@ -81,6 +84,8 @@ def case_set_line(counts: dict[str, int]) -> str:
     if counts.get("fitted"):
         line += (f", {counts['fitted']} fitted variants (a backend that refuses a generated "
                  "case runs the nearest variant it accepts instead)")
+    if counts.get("recorded"):
+        line += f", {counts['recorded']} from an earlier report (--cases-from)"
     return line
 
 

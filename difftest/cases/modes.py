@@ -30,7 +30,9 @@ draws one for a given case.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -60,12 +62,15 @@ def sliding_windows(longest_context: int) -> st.SearchStrategy[int]:
                      st.integers(1, max(longest_context, 1)))
 
 
-def softcaps() -> st.SearchStrategy[float]:
+def softcaps(kind: str | None = None) -> st.SearchStrategy[float]:
     """Softcaps: overflowing ones (:data:`OVERFLOW_SOFTCAPS`) in three draws of five, else a
-    model's (50, 30) or any of :data:`~difftest.case.SOFTCAP_RANGE`; shrinks toward 50."""
+    model's (50, 30) or any of :data:`~difftest.case.SOFTCAP_RANGE`; shrinks toward 50.
+    ``kind`` (``"model"``, ``"overflow"`` or ``"any"``) draws that kind only."""
     choices = {"model": st.sampled_from(MODEL_SOFTCAPS),
                "overflow": st.sampled_from(OVERFLOW_SOFTCAPS),
                "any": st.floats(*SOFTCAP_RANGE)}
+    if kind is not None:
+        return choices[kind]
     return st.sampled_from(SOFTCAP_KINDS).flatmap(choices.__getitem__)
 
 
@@ -94,8 +99,10 @@ def query_lengths() -> st.SearchStrategy[int]:
 class ModePlan:
     """The kernel modes of one case, drawn before its structure (see :func:`mode_plans`).
 
-    ``window``: ``None`` (off), ``("edge", i)`` (the ``i``-th of :func:`window_edges`, cyclic)
-    or ``("any", n)`` (``1 + n % longest``), resolved once the case's contexts are known.
+    ``window``: ``None`` (off), ``("edge", i)`` (the ``i``-th of :func:`window_edges`, cyclic),
+    ``("inside", i)`` (the same among the edges shorter than the longest context, so some
+    slot a row attends falls outside it) or ``("any", n)`` (``1 + n % longest``), resolved
+    once the case's contexts are known.
     ``q_scale`` applies to fp8-KV cases only. ``prefill`` is read by the case strategy (each
     request draws its query length). ``split_k``: ``None`` or ``(segments, n)``, the
     threshold resolved against the case's query blocks by :data:`THRESHOLD_KINDS`
@@ -116,7 +123,9 @@ class ModePlan:
             longest = max((row.context_len for row in build_rows(case)), default=0)
             kind, n = self.window
             edges = window_edges(longest)
-            window = edges[n % len(edges)] if kind == "edge" else 1 + n % max(longest, 1)
+            if kind == "inside":
+                edges = [w for w in edges if w < longest] or [1]
+            window = 1 + n % max(longest, 1) if kind == "any" else edges[n % len(edges)]
         segments = threshold = 0
         if self.split_k is not None:
             segments, n = self.split_k
@@ -133,6 +142,8 @@ MODE_BITS = 1 << 20  # the range of the one integer every on/off decision of a p
 # bit 0: modes at all (one case in two); then one bit per mode, two for canaries and prefill
 FLAG_SOFTCAP, FLAG_WINDOW, FLAG_CANARY, FLAG_Q_SCALE, FLAG_PREFILL, FLAG_SPLIT_K = (
     1, 2, 4, 16, 32, 128)
+MODE_NAMES = ("softcap", "sliding_window", "canary", "q_scale", "query_lens",
+              "split_k_segments")  # the case fields a plan sets
 
 
 def mode_flags(kernel_modes: bool) -> st.SearchStrategy[int]:
@@ -142,11 +153,17 @@ def mode_flags(kernel_modes: bool) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def mode_plans(draw: st.DrawFn, flags: int | None = None) -> ModePlan:
+def mode_plans(draw: st.DrawFn, flags: int | None = None,
+               cover: Mapping[str, Any] | None = None) -> ModePlan:
     """The kernel modes whose bits ``flags`` sets (drawn here when ``None``): a softcap,
     a window (boundary-biased), canaries (three in four with a window, else half), fp8
     queries (on fp8-KV cases), prefill-like query lengths (a quarter), split-K scratch;
     each value drawn only for a mode that is on.
+
+    ``cover`` (:func:`difftest.cases.strategies.covering`) overrides ``flags``: ``modes``
+    names the modes on (:data:`MODE_NAMES`), ``softcap`` the kind of cap, ``window``
+    ``"inside"`` a boundary window shorter than the longest context, ``q_scale`` the query
+    scale, ``threshold`` the split-K threshold's kind (:data:`THRESHOLD_KINDS`).
 
     Why one integer: Hypothesis's generator (6.170) copies draws between examples and spans
     of the same kind (its mutator) and extends early examples with their simplest choices,
@@ -155,22 +172,38 @@ def mode_plans(draw: st.DrawFn, flags: int | None = None) -> ModePlan:
     13% of cases had modes when drawn last, 28% with booleans drawn first, and the window
     with canaries from 0 to 13 cases of 50 (docs/kernel-modes.md has the numbers now).
     """
+    cover = cover or {}
     if flags is None:
         flags = draw(st.integers(0, MODE_BITS - 1))
     on = flags >> 1
-    softcap = draw(softcaps()) if on & FLAG_SOFTCAP else 0.0
+    window_on = bool(on & FLAG_WINDOW)
+    chosen = {
+        "softcap": bool(on & FLAG_SOFTCAP), "sliding_window": window_on,
+        "canary": bool(on & (3 * FLAG_CANARY)) if window_on else bool(on & FLAG_CANARY),
+        "q_scale": bool(on & FLAG_Q_SCALE),
+        "query_lens": on & (3 * FLAG_PREFILL) == 3 * FLAG_PREFILL,
+        "split_k_segments": bool(on & FLAG_SPLIT_K)}
+    if cover.get("modes") is not None:
+        chosen = {name: name in cover["modes"] for name in MODE_NAMES}
+    softcap = draw(softcaps(cover.get("softcap"))) if chosen["softcap"] else 0.0
     window = None
-    if on & FLAG_WINDOW:
-        window = draw(st.one_of(st.tuples(st.just("edge"), st.integers(0, 15)),
-                                st.tuples(st.just("any"), st.integers(0, 1 << 20))))
-    canary = bool(on & (3 * FLAG_CANARY)) if window else bool(on & FLAG_CANARY)
-    q_scale = draw(q_scales()) if on & FLAG_Q_SCALE else 0.0
-    prefill = on & (3 * FLAG_PREFILL) == 3 * FLAG_PREFILL
+    if chosen["sliding_window"]:
+        if cover.get("window") == "inside":
+            window = draw(st.tuples(st.just("inside"), st.integers(0, 15)))
+        else:
+            window = draw(st.one_of(st.tuples(st.just("edge"), st.integers(0, 15)),
+                                    st.tuples(st.just("any"), st.integers(0, 1 << 20))))
+    q_scale = 0.0
+    if chosen["q_scale"]:
+        q_scale = cover["q_scale"] if cover.get("q_scale") else draw(q_scales())
     split_k = None
-    if on & FLAG_SPLIT_K:
-        split_k = (draw(st.sampled_from((16, 1, 2, 4, 8, 32, 64))),
-                   draw(st.integers(0, 4 * 4096)))
-    return ModePlan(softcap, window, canary, q_scale, prefill, split_k)
+    if chosen["split_k_segments"]:
+        segments = draw(st.sampled_from((16, 1, 2, 4, 8, 32, 64)))
+        n = draw(st.integers(0, 4 * 4096))
+        if cover.get("threshold") in THRESHOLD_KINDS:
+            n += THRESHOLD_KINDS.index(cover["threshold"]) - n % len(THRESHOLD_KINDS)
+        split_k = (segments, n)
+    return ModePlan(softcap, window, chosen["canary"], q_scale, chosen["query_lens"], split_k)
 
 
 @st.composite

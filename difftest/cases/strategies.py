@@ -17,11 +17,21 @@ from 1e-3 (stored values at the fp8 maximum) to 1e2, and the kernel
 modes (softcap, sliding window, NaN canaries) of :mod:`difftest.cases.modes` in one case in
 two (:data:`KERNEL_MODES_ONE_IN`; enough that the default strategies find vLLM 0.30.0's
 softcap NaN and 0.13.0's sliding-window NaN within 50 examples, docs/kernel-modes.md).
+
+Inside :func:`covering`, a drawn case takes some decisions from a :data:`Cover` instead of
+drawing them (a kernel mode on with its boundary kind, the first request's tail, top-k 16,
+...); :mod:`difftest.cases.covering` schedules them so that the first examples of every seed
+hold every mode and boundary class. A decision the strategy's limits rule out (top-k 16 under
+``max_topk=4``) is drawn as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import MappingProxyType
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -46,6 +56,52 @@ Q_HEADS = (1, 8, 16, 64)
 SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
 KERNEL_MODES_ONE_IN = 2  # cases with softcap, sliding window and canaries drawn (modes.py)
 DtypeCombo = tuple[str, str, str]  # (kv_layout, query_dtype, kv_dtype)
+Cover = Mapping[str, Any]  # decisions a case takes instead of drawing them (covering.py)
+_COVER: ContextVar[Cover] = ContextVar("difftest_cover", default=MappingProxyType({}))
+
+
+@contextmanager
+def covering(cover: Cover) -> Iterator[None]:
+    """Cases drawn inside take the decisions of ``cover`` (keys of :data:`COVER_KEYS`)."""
+    unknown = sorted(set(cover) - set(COVER_KEYS))
+    if unknown:
+        raise ValueError(f"cover: unknown decision {unknown[0]!r} (allowed: "
+                         f"{', '.join(COVER_KEYS)})")
+    token = _COVER.set(cover)
+    try:
+        yield
+    finally:
+        _COVER.reset(token)
+
+
+COVER_KEYS = {
+    "modes": "the kernel modes on, every other one off (names of Case.kernel_modes, "
+             "and 'canary')",
+    "softcap": "the kind of softcap: 'overflow' or 'model'",
+    "window": "'inside': a window of window_edges shorter than the longest context",
+    "q_scale": "the fp8 query scale",
+    "query_len": "the query tokens of the first request (prefill-like rows)",
+    "threshold": "the split-K threshold: 'at' (3-D) or 'below' (2-D) the query blocks",
+    "large_cache": "True: a cache with page ids past 2**16 (its last block attended)",
+    "favour_last": "True: the last physical block heads the first request's table",
+    "tail": "the tokens in the first request's last block",
+    "long": "True: the first request longer than top-k 16 x 128 tokens",
+    "decode_query_len": "query tokens per decode request (2-4)",
+    "topk": "the top-k",
+    "selection": "the selection mode (one of SELECTION_MODES)",
+    "softmax_scale": "the softmax scale",
+    "kv_dtypes": "the KV dtypes to draw from (where some is allowed)",
+    "fp8_scales": "(k_scale, v_scale) of an fp8 cache (the KV dtype is then fp8)",
+    "padded": "True: the second request is padded",
+    "block_zero": "True: block 0 sits in some table",
+}
+
+
+def _forced(cover: Cover, key: str, drawn: Any,
+            allowed: Callable[[Any], bool] = lambda _: True) -> Any:
+    """``cover[key]`` if it is set and ``allowed``, else the ``drawn`` value."""
+    value = cover.get(key)
+    return value if value is not None and allowed(value) else drawn
 
 
 def num_blocks(layout: str, max_blocks: int = MAX_NUM_BLOCKS) -> st.SearchStrategy[int]:
@@ -95,7 +151,8 @@ def picks(draw: st.DrawFn, pool: Sequence[int], count: int) -> list[int]:
 
 @st.composite
 def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int, mode: str,
-            max_batch: int, prefill: bool = False) -> tuple[int, list[int], list[list[int]]]:
+            max_batch: int, prefill: bool = False, cover: Cover | None = None
+            ) -> tuple[int, list[int], list[list[int]]]:
     """One request, drawn in one piece: ``(seq_len, block table, selection rows)``.
 
     Its length fits the blocks still free, keeping one for each request that may follow
@@ -107,19 +164,29 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     query_lengths`, one row per query token); one of several tokens fits top-k and
     :data:`PREFILL_FULL_BLOCKS` full blocks, and every row selects its causal blocks in
     order (the rows then share one causal sequence).
+
+    ``cover`` (:func:`covering`) fixes the first request's query length, tail and length
+    beyond top-k 16 x 128 tokens, an empty first row, and the second request's padding.
     """
+    cover = cover or {}
     r = free.requests
     free.requests += 1
-    padded = r > 0 and draw(st.integers(0, 2)) == 2
+    padded = r > 0 and (draw(st.integers(0, 2)) == 2 or (r == 1 and bool(cover.get("padded"))))
     query_len = draw(query_lengths()) if prefill else decode_query_len
+    if prefill and r == 0 and cover.get("query_len") is not None:
+        query_len = int(cover["query_len"])
     budget = len(free)
     share = max(1, budget - (max_batch - r - 1))
     # a prefill request fits top-k and at most PREFILL_FULL_BLOCKS full blocks: its rows each
     # attend up to the whole request, so a long one costs the interpreter minutes
     most = min(share - 1, MAX_FULL_BLOCKS,
                min(topk - 1, PREFILL_FULL_BLOCKS) if prefill and query_len > 1 else budget)
-    full = draw(st.integers(0, max(most, 0)))
-    length = max(full * BLOCK_SIZE + draw(tails()), query_len)
+    long = r == 0 and bool(cover.get("long")) and most >= 16
+    full = draw(st.integers(16 if long else 0, max(most, 0)))
+    tail = draw(tails())
+    if r == 0 and cover.get("tail") is not None:
+        tail = int(cover["tail"])
+    length = max(full * BLOCK_SIZE + tail, query_len)
     needed = cdiv(length, BLOCK_SIZE)
     if padded or needed > budget:
         return 0, [], [[-1] * topk for _ in range(1 if prefill else decode_query_len)]
@@ -134,7 +201,8 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
         rows = [list(range(pos // BLOCK_SIZE + 1)) + [-1] * (topk - pos // BLOCK_SIZE - 1)
                 for pos in range(length - query_len, length)]
     else:
-        rows = [draw(selection_row(mode, topk, length - query_len + i))
+        empty = r == 0 and cover.get("selection") == "empty-rows"
+        rows = [draw(selection_row(mode, topk, length - query_len + i, empty and i == 0))
                 for i in range(query_len)]
     return length, table, rows
 
@@ -152,9 +220,11 @@ def with_block_zero(draw: st.DrawFn, tables: list[list[int]], skip_first: bool) 
 
 
 @st.composite
-def selection_row(draw: st.DrawFn, mode: str, topk: int, abs_pos: int) -> list[int]:
-    """One query row's ``topk`` logical block ids (``-1`` padding) under ``mode``."""
-    if abs_pos < 0 or (mode == "empty-rows" and draw(st.booleans())):
+def selection_row(draw: st.DrawFn, mode: str, topk: int, abs_pos: int,
+                  empty: bool = False) -> list[int]:
+    """One query row's ``topk`` logical block ids (``-1`` padding) under ``mode``; ``empty``:
+    none."""
+    if abs_pos < 0 or empty or (mode == "empty-rows" and draw(st.booleans())):
         return [-1] * topk
     self_blk = abs_pos // BLOCK_SIZE
     count = min(topk, self_blk + 1)
@@ -238,37 +308,57 @@ def cases(
 @st.composite
 def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple[str, ...],
           max_batch: int, max_topk: int, max_blocks: int, kernel_modes: bool) -> Case:
+    cover = _COVER.get()
+    modes_forced = kernel_modes and "modes" in cover
     # every on/off decision of the modes comes from one integer drawn first (see
     # modes.mode_plans); it shrinks to 0: modes off
     flags = draw(mode_flags(kernel_modes))
-    plan = draw(mode_plans(flags)) if flags % KERNEL_MODES_ONE_IN == 1 else None
-    layout = draw(st.sampled_from(sorted({c[0] for c in allowed}, key=KV_LAYOUTS.index)))
+    plan = (draw(mode_plans(flags, cover)) if modes_forced or flags % KERNEL_MODES_ONE_IN == 1
+            else None)
+    kv_dtypes = cover.get("kv_dtypes", ())
+    if "fp8_scales" in cover or (modes_forced and "q_scale" in cover["modes"]):
+        kv_dtypes = FP8_DTYPES
+    pool = [c for c in allowed if c[2] in kv_dtypes] or list(allowed)
+    layout = draw(st.sampled_from(sorted({c[0] for c in pool}, key=KV_LAYOUTS.index)))
     q_dtype = draw(st.sampled_from([q for q in QUERY_DTYPES
-                                    if any(c[:2] == (layout, q) for c in allowed)]))
-    kv_dtype = draw(st.sampled_from([kv for kv in KV_DTYPES
-                                     if (layout, q_dtype, kv) in allowed]))
+                                    if any(c[:2] == (layout, q) for c in pool)]))
+    kv_dtype = draw(st.sampled_from([kv for kv in KV_DTYPES if (layout, q_dtype, kv) in pool]))
     n = draw(num_blocks(layout, max_blocks))
+    big = PAGE_IDS_PAST_2_16[layout]
+    if cover.get("large_cache") and big <= max_blocks:
+        n = draw(st.integers(big, min(big + 64, max_blocks)))
+    elif cover.get("long") and max_blocks >= 128:
+        n = max(n, 128)
     prefill = plan is not None and plan.prefill
     dql = 1 if prefill else draw(st.integers(1, 4))
+    dql = _forced(cover, "decode_query_len", dql, lambda v: not prefill)
     topk = draw(st.sampled_from([t for t in TOPKS if t <= max_topk]))
+    topk = _forced(cover, "topk", topk, lambda v: v in TOPKS and v <= max_topk)
     mode = draw(st.sampled_from(selection_modes))
+    mode = _forced(cover, "selection", mode, lambda v: v in selection_modes)
     # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended:
     # the last block goes where every row looks, logical block 0 of the first request (the
     # indexer's forced init block, full whenever the request is longer than one block); a
     # uniform draw from thousands of blocks almost never selects the few past page id 2**16.
     # (two in three smaller caches too; a shrink unfavours it)
-    favour_last = n >= PAGE_IDS_PAST_2_16[layout] or draw(st.sampled_from((False, True, True)))
+    favour_last = (n >= big or draw(st.sampled_from((False, True, True)))
+                   or bool(cover.get("favour_last")))
     free = FreeBlocks(n, favour_last)
-    requests = draw(st.lists(request(free, dql, topk, mode, max_batch, prefill), min_size=1,
-                             max_size=max_batch))
+    least = 2 if cover.get("padded") and max_batch >= 2 else 1
+    requests = draw(st.lists(request(free, dql, topk, mode, max_batch, prefill, cover),
+                             min_size=least, max_size=max_batch))
     lens = [length for length, _, _ in requests]
     tables = [table for _, table, _ in requests]
     rows = [row for _, _, request_rows in requests for row in request_rows]
-    if draw(st.booleans()):
+    if draw(st.booleans()) or cover.get("block_zero"):
         draw(with_block_zero(tables, skip_first=favour_last))
     fp8 = kv_dtype in FP8_DTYPES
     k_scale = draw(fp8_scales()) if fp8 else 1.0
     v_scale = draw(fp8_scales()) if fp8 else 1.0
+    if fp8 and cover.get("fp8_scales") is not None:
+        k_scale, v_scale = cover["fp8_scales"]
+    heads = draw(st.sampled_from(Q_HEADS))
+    softmax_scale = draw(st.sampled_from(SOFTMAX_SCALES))
     case = Case(
         num_blocks=n,
         seq_lens=tuple(lens),
@@ -276,12 +366,12 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         selections=tuple(tuple(r) for r in rows),
         decode_query_len=dql,
         query_lens=tuple(len(q) for _, _, q in requests) if prefill else (),
-        num_q_heads=draw(st.sampled_from(Q_HEADS)),
+        num_q_heads=heads,
         query_dtype=q_dtype,
         kv_dtype=kv_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
-        softmax_scale=draw(st.sampled_from(SOFTMAX_SCALES)),
+        softmax_scale=_forced(cover, "softmax_scale", softmax_scale),
         kv_layout=layout,
         distribution=draw(st.sampled_from(DISTRIBUTIONS)),
         seed=draw(st.integers(0, 2**32 - 1)),
