@@ -176,7 +176,8 @@ def test_run_ends_in_its_verdict_and_its_report_holds_the_parameter_audit(
     assert [r["status"] for c in report["cases"] for r in c["results"]] == ["agree"] * 3
     assert "generation: not drawn for aiter-gluon@emulated: query float32" in out
     assert "3 cases: 0 corpus, 3 generated" in out
-    assert report["config"]["case_set"] == {"corpus": 0, "generated": 3, "fitted": 0}
+    assert report["config"]["case_set"] == {"corpus": 0, "generated": 3, "fitted": 0,
+                                            "recorded": 0}
     assert f"all of it: difftest audit {report_path}" in out
     assert "parameter coverage over" not in out
     assert out.rstrip().splitlines()[-1] == (
