@@ -48,6 +48,12 @@ def tree_from(tag: str) -> Any:
         pytest.skip(f"{exc} (CI has only PyPI's wheel, which predates shuffled_kv_cache)")
 
 
+def imported_as_aiter(package: Path) -> bool:
+    """Whether any module of ``package`` was imported under the name ``aiter``."""
+    return any(name.split(".")[0] == "aiter" and str(package) in str(getattr(m, "__file__", ""))
+               for name, m in list(sys.modules.items()))
+
+
 def ran_3d(backend: AiterUnified, case: Case, monkeypatch) -> bool:
     """Run ``case`` and say whether AITER launched its 3-D kernel."""
     module = sys.modules[backend.kernel(case, torch.device("cpu")).__module__]
@@ -76,8 +82,7 @@ def test_loads_without_rocm_and_says_what_was_answered() -> None:
     assert "gfx942: 304" in versions["aiter_answered"]
     kernel = backend.kernel(SMALL, torch.device("cpu"))
     assert kernel.__module__.startswith("_difftest_aiter_")
-    assert "aiter" not in sys.modules or not hasattr(sys.modules["aiter"], "__file__") or (
-        "difftest-aiter" not in str(sys.modules["aiter"].__file__))  # never shadows AITER
+    assert not imported_as_aiter(WHEEL.package)  # never shadows an AITER
 
 
 @needs_aiter
@@ -238,3 +243,72 @@ def test_f23_fp16_kv_on_the_3d_kernel_raises_in_v0_1_16_only() -> None:
         direct_3d_call(tree_from("v0.1.16"))
     actual, expected = direct_3d_call(tree_from("v0.1.16.post3"))
     torch.testing.assert_close(actual.double(), expected, atol=2e-3, rtol=0)
+
+
+FAKE_HOST = '''
+import aiter.ops.triton.utils._triton.arch_info as arch_info
+from aiter.ops.triton.utils.device_info import get_num_sms
+
+ARCH = arch_info.get_arch()
+
+
+def unified_attention(**arguments):
+    return ARCH, get_num_sms()
+'''
+FAKE_ARCH_INFO = '''
+import triton
+
+
+def get_arch():
+    return triton.runtime.driver.active.get_current_target().arch
+'''
+FAKE_DEVICE_INFO = '''
+import torch
+
+
+def get_num_sms():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+'''
+
+
+def fake_tree(root: Path) -> Path:
+    """An AITER tree whose package ``__init__`` files fail and whose host module asks Triton
+    for the arch at import and torch for the CU count at call time, as AITER's do."""
+    triton_ops = root / "aiter" / "ops" / "triton"
+    (triton_ops / "utils" / "_triton").mkdir(parents=True)
+    for package in (root / "aiter", root / "aiter" / "ops", triton_ops):
+        (package / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (triton_ops / "unified_attention.py").write_text(FAKE_HOST)
+    (triton_ops / "utils" / "_triton" / "arch_info.py").write_text(FAKE_ARCH_INFO)
+    (triton_ops / "utils" / "device_info.py").write_text(FAKE_DEVICE_INFO)
+    (root / "difftest-aiter-version").write_text("0.0.7\n")
+    return root
+
+
+@on_cpu
+def test_a_tree_loads_without_its_init_and_gets_the_answers(tmp_path: Path) -> None:
+    from triton.runtime.driver import driver
+
+    tree = resolve(str(fake_tree(tmp_path / "tree")))
+    assert tree.version == "0.0.7"
+    before = driver._active
+    module = tree.load(tree.package / "ops/triton/unified_attention.py",
+                       DeviceAnswers.for_arch("gfx942"))
+    assert module.ARCH == "gfx942" and driver._active is before  # answered, then restored
+    with answering(DeviceAnswers.for_arch("gfx942")):
+        assert module.unified_attention() == ("gfx942", 304)
+    assert module.__name__.startswith("_difftest_aiter_0_0_7_")
+    assert not imported_as_aiter(tree.package)
+    other = tree.load(tree.package / "ops/triton/unified_attention.py",
+                      DeviceAnswers.for_arch("gfx950"))
+    assert other is not module and other.ARCH == "gfx950"  # one copy per answered arch
+
+
+def test_fetch_aiter_rejects_a_bad_name() -> None:
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "fetch_aiter.sh"
+    result = subprocess.run(["bash", str(script), "main; rm"], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 2
+    assert "NAME must be an amd-aiter version like 0.1.7.post2.dev18 or a tag" in result.stderr
