@@ -99,9 +99,14 @@ class Judgement:
     loose: frozenset[str] = frozenset()  # findings whose condition is wider than the trigger
 
     @property
+    def strict_unseen(self) -> list[str]:
+        """The expected bugs not seen whose entries are strict (each a failure of the run)."""
+        return sorted(set(self.unseen) - self.loose)
+
+    @property
     def failed(self) -> bool:
         """New failures, or a strict expected bug that no longer shows."""
-        return bool(self.new or set(self.unseen) - self.loose)
+        return bool(self.new or self.strict_unseen)
 
     def lines(self) -> list[str]:
         """What the run met of the expectations, one line per known bug."""

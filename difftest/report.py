@@ -248,7 +248,7 @@ def verdict_line(report: dict[str, Any], path: str | None = None,
                     for _, r in hits)
     crashes = len(report.get("earlier_crashes") or [])
     failing = sum(counts[s] - known[s] for s in FAILING) + crashes
-    unseen = sorted(judgement.unseen) if judgement else []
+    unseen = judgement.strict_unseen if judgement else []
     cases = len(report["cases"])
     unavailable = sorted(b for b, e in report["backends"].items() if not e["available"])
     if failing or unseen:

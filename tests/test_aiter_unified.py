@@ -23,6 +23,7 @@ from difftest.backends.aiter_triton import (
     answering,
     chosen_source,
     resolve,
+    wheel_source,
 )
 from difftest.backends.aiter_unified import AiterUnified, kernel_path
 from difftest.backends.torch_ref import TorchReference
@@ -312,3 +313,50 @@ def test_fetch_aiter_rejects_a_bad_name() -> None:
                             timeout=60, check=False)
     assert result.returncode == 2
     assert "NAME must be an amd-aiter version like 0.1.7.post2.dev18 or a tag" in result.stderr
+
+
+def direct_block_48(source: Any, shuffled: bool = False) -> torch.Tensor:
+    """AITER's ``unified_attention`` on one decode row over one 48-token page (fp16, one head
+    of 64; plain ``[1, 48, 1, 64]`` or shuffled K ``[1, 1, 8, 48, 8]`` / V ``[1, 1, 6, 64, 8]``
+    views), called directly: the output row."""
+    answers = DeviceAnswers.for_arch("gfx950")
+    path = source.find("ops/triton/attention/unified_attention.py",
+                       "ops/triton/unified_attention.py")
+    unified_attention = source.load(path, answers).unified_attention
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 64, generator=generator).half()
+    k = torch.randn(1, 48, 1, 64, generator=generator).half()
+    v = torch.randn(1, 48, 1, 64, generator=generator).half()
+    extra = {}
+    if shuffled:  # x = 8 fp16 values: K [n, h, D/x, P, x], V [n, h, P/x, D, x]
+        k = k.reshape(1, 48, 1, 8, 8).permute(0, 2, 3, 1, 4).contiguous()
+        v = v.reshape(1, 6, 8, 1, 64).permute(0, 3, 1, 4, 2).contiguous()
+        extra["shuffled_kv_cache"] = True
+    out = torch.zeros(1, 1, 64, dtype=torch.float16)
+    with answering(answers):
+        unified_attention(
+            q=q, k=k, v=v, out=out, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
+            max_seqlen_q=1, seqused_k=torch.tensor([48], dtype=torch.int32), max_seqlen_k=48,
+            softmax_scale=0.125, causal=True, window_size=(-1, -1),
+            block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=0.0,
+            q_descale=None, k_descale=None, v_descale=None, **extra)
+    return out[0, 0]
+
+
+@on_cpu
+def test_f25_a_48_token_page_fails_to_launch_before_v0_1_12() -> None:
+    wheel = wheel_source()
+    if wheel is None:
+        pytest.skip("no amd-aiter 0.1.7.post2.dev18 wheel in <venv>/difftest-aiter "
+                    "(bash scripts/setup.sh unpacks it where no AITER is installed)")
+    with pytest.raises(Exception, match="arange's range must be a power of 2"):
+        direct_block_48(wheel)
+    assert direct_block_48(tree_from("v0.1.12")).isfinite().all()
+
+
+@on_cpu
+def test_f26_shuffled_views_of_48_token_pages_fail_to_launch() -> None:
+    tree = tree_from("v0.1.20.post1")
+    assert direct_block_48(tree).isfinite().all()  # the plain views of the same pages run
+    with pytest.raises(Exception, match="arange's range must be a power of 2"):
+        direct_block_48(tree, shuffled=True)

@@ -69,6 +69,7 @@ def test_an_expected_bug_that_no_longer_shows_fails_the_run(tmp_path: Path) -> N
     loose = expectations.judge([record(0.01, Status.AGREE)],
                                expectations.load(write(tmp_path, ENTRY | {"strict": False})))
     assert not loose.failed and "not a failure" in loose.lines()[0]
+    assert loose.strict_unseen == [] and judgement.strict_unseen == ["F99"]
     untouched = expectations.judge([record(30.0, Status.AGREE)],
                                    expectations.load(write(tmp_path, ENTRY)))
     assert not untouched.failed  # no case met the condition: nothing to say

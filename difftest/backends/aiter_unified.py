@@ -134,6 +134,9 @@ class AiterUnified:
         page-16 views."""
         if device.type == "cpu" and case.query_dtype == "bfloat16":
             return INTERPRETER_BF16_FINDING
+        if self.in_page_orders[0] not in case.layout.in_page_orders:
+            return (f"kv_layout {case.kv_layout} has no {self.in_page_orders[0]} pages (AITER's "
+                    f"pre-shuffled views exist for the LBHNC and LHBNC caches)")
         if case.is_fp8:
             arch = self._answers(case).arch if device.type == "cpu" else "this GPU's arch"
             fp8 = self._fp8_type(case, device)
