@@ -11,13 +11,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from difftest._pytest_run import chosen_profile
 from difftest.backend import RunInputs
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 from difftest.case import HEAD_DIMS, Case, CaseError
-from difftest.cases.dense import BLOCK_SIZES, DENSE_LAYOUTS, dense_cases, dense_rows
+from difftest.cases.capabilities import Capabilities
+from difftest.cases.dense import (
+    BLOCK_SIZES,
+    DENSE_LAYOUTS,
+    DENSE_SHARE,
+    INT32_ELEMENTS,
+    dense_cases,
+    dense_rows,
+)
 from difftest.cases.generate import generated_cases
 from difftest.inputs import generate
 from difftest.kv_layouts import LAYOUTS
@@ -261,3 +270,36 @@ def test_block_sizes_off_the_grid_are_refused_by_name(layout: str, size: int) ->
     with pytest.raises(CaseError) as info:
         dense(32, 64, 1, 1, layout).replace(block_size=size, page_size=size)
     assert info.value.field == "page_size"
+
+
+@pytest.fixture(scope="module")
+def dense_strategy(difftest_session) -> st.SearchStrategy[Case]:
+    """The dense family over what the configured backends run (as ``difftest run``)."""
+    session = difftest_session
+    return Capabilities.probe(session.backends, session.device).dense_strategy()
+
+
+@settings(max_examples=max(1, settings.default.max_examples // DENSE_SHARE))
+@given(data=st.data())
+def test_generated_dense_cases(data: st.DataObject, dense_strategy, check_example) -> None:
+    """One dense example per five of the profile's (``difftest run``'s share) on every
+    configured backend, each in the variant fitted to it; a failure fails the test."""
+    check_example(data.draw(dense_strategy, label="case"))
+
+
+def test_huge_cases_put_their_last_block_past_int32_offsets() -> None:
+    for case in generated_cases(6, 0, dense_cases(huge=True, kernel_modes=False)):
+        per_block = 2 * case.block_size * case.num_kv_heads * case.head_dim
+        assert case.block_tables[0][0] == case.num_blocks - 1
+        assert (case.num_blocks - 1) * per_block >= INT32_ELEMENTS
+
+
+@pytest.mark.skipif(chosen_profile() != "nightly", reason="4 GiB caches: the nightly profile "
+                    "runs them (HYPOTHESIS_PROFILE=nightly)")
+def test_cases_past_int32_offsets(check_example) -> None:
+    """Caches past 2**31 elements with the last block attended, on every configured backend;
+    where the memory is short each is refused up front with the numbers (then skipped)."""
+    results = [r for case in generated_cases(4, 0, dense_cases(huge=True))
+               for result in check_example(case) for r in result.results]
+    if all(r.detail.startswith("case refused before any allocation") for r in results):
+        pytest.skip(results[0].detail)
