@@ -28,6 +28,7 @@ from difftest.cases.dense import (
     dense_rows,
 )
 from difftest.cases.generate import generated_cases
+from difftest.cases.strategies import cases
 from difftest.inputs import generate
 from difftest.kv_layouts import LAYOUTS
 from difftest.layouts import CachePool, build_cache, write_attended
@@ -303,3 +304,22 @@ def test_cases_past_int32_offsets(check_example) -> None:
                for result in check_example(case) for r in result.results]
     if all(r.detail.startswith("case refused before any allocation") for r in results):
         pytest.skip(results[0].detail)
+
+
+def test_the_sparse_family_reaches_rows_past_2048_tokens_above_top_k_16() -> None:
+    """With max_topk 64 the sparse strategy draws top-k 32 and 64, rows past 16 x 128
+    tokens; the default (max_topk 16) draws the model's top-k at most."""
+    drawn = generated_cases(40, 0, cases(max_topk=64))
+    long = [c for c in drawn if max(r.context_len for r in build_rows(c)) > 2048]
+    assert long and {c.topk for c in long} <= {32, 64}
+    assert max(c.topk for c in generated_cases(40, 0, cases())) == 16
+
+
+def test_triton_unified_agrees_on_a_row_of_top_k_32_past_2048_tokens() -> None:
+    """One row selecting 18 blocks in a scrambled order, 2177 tokens, top-k 32."""
+    lanes = (17, 0, *range(16, 0, -1)) + (-1,) * 14
+    case = Case(num_blocks=20, seq_lens=(2177,), block_tables=(tuple(range(19, 1, -1)),),
+                selections=(lanes,), num_q_heads=2)
+    result = run_case(case, TorchReference(), [TritonUnifiedAttention()], CPU).results[0]
+    assert build_rows(case)[0].context_len == 2177
+    assert result.status is Status.AGREE, result.detail
