@@ -64,7 +64,7 @@ def footprint(case: Case, orders: int) -> Footprint:
     logits = case.total_q * case.num_q_heads * width * case.block_size
     reference = 8 * (2 * gathered + 2 * min(logits, ELEMENTS_PER_CHUNK))
     outputs = 8 * 4 * case.total_q * case.num_q_heads * case.head_dim
-    return Footprint(cache, max(orders, 1), data, reference, outputs)
+    return Footprint(cache, orders, data, reference, outputs)
 
 
 def available_bytes(device: torch.device) -> tuple[int, str]:

@@ -251,7 +251,7 @@ def run_case(
     timings: dict[str, float] = {}
     rows: Sequence[SparseRow] | None = None
     # a case this device cannot hold is refused before anything is allocated
-    refused = refusal(case, device, {o for b in backends for o in b.in_page_orders},
+    refused = refusal(case, device, _orders_built(case, backends, device),
                       caches.held_bytes() if caches is not None else 0)
     if refused is not None:
         return CaseResult(case, reference.name,
@@ -285,6 +285,21 @@ def _calling(hooks: Sequence[RunHooks], case: Case, backend: str, stage: str) ->
     for hook in hooks:
         stack.enter_context(hook.calling(case, backend, stage))
     return stack
+
+
+def _orders_built(case: Case, backends: Sequence[Backend], device: torch.device) -> set[str]:
+    """The in-page orders whose caches this case will build: those of the backends that run
+    it (a support check that raises counts its backend in, as building may still follow)."""
+    orders = set()
+    for backend in backends:
+        try:
+            runs = (backend.availability().available
+                    and backend.unsupported_reason(case, device) is None)
+        except Exception:
+            runs = True
+        if runs:
+            orders.update(backend.in_page_orders)
+    return orders
 
 
 def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,

@@ -56,13 +56,18 @@ def test_pooled_buffers_count_as_available(monkeypatch) -> None:
     assert refusal(case, CPU, ["plain"], reusable=5 << 30) is None
 
 
-def test_the_runner_refuses_the_case_for_every_backend_before_allocating() -> None:
-    """4 TiB of cache (vLLM's split layout at its largest geometry): every backend is
-    ``unsupported`` with the same reason, no reference is computed, and it is immediate."""
+def huge() -> Case:
+    """4 TiB of cache: vLLM's split layout at its largest geometry, one block attended."""
     n = 1 << 20
-    case = Case(num_blocks=n, seq_lens=(512,), block_tables=((n - 1,),), selections=((0,),),
+    return Case(num_blocks=n, seq_lens=(512,), block_tables=((n - 1,),), selections=((0,),),
                 num_q_heads=8, num_kv_heads=8, head_dim=256, block_size=512, page_size=512,
                 kv_layout="split", dense=True)
+
+
+def test_the_runner_refuses_the_case_for_every_backend_before_allocating() -> None:
+    """Every backend is ``unsupported`` with the same reason, no reference is computed, and
+    it is immediate."""
+    case = huge()
     start = time.perf_counter()
     result = run_case(case, TorchReference(), [TritonUnifiedAttention(), Rounded()], CPU,
                       caches=CachePool())
@@ -70,3 +75,11 @@ def test_the_runner_refuses_the_case_for_every_backend_before_allocating() -> No
     assert {r.status for r in result.results} == {Status.UNSUPPORTED}
     details = {r.detail for r in result.results}
     assert len(details) == 1 and "GiB" in details.pop()
+
+
+def test_only_the_caches_some_backend_builds_are_counted() -> None:
+    """The reference reads no cache: with backends that build none, the 4 TiB cache is not
+    needed and the case runs (one block of data)."""
+    result = run_case(huge(), TorchReference(), [Rounded()], CPU)
+    assert [r.status for r in result.results] == [Status.AGREE]
+    assert footprint.footprint(huge(), 0).total < 1 << 30

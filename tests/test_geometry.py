@@ -11,14 +11,24 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from difftest._pytest_run import chosen_profile
 from difftest.backend import RunInputs
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 from difftest.case import HEAD_DIMS, Case, CaseError
-from difftest.cases.dense import BLOCK_SIZES, DENSE_LAYOUTS, dense_cases, dense_rows
+from difftest.cases.capabilities import Capabilities
+from difftest.cases.dense import (
+    BLOCK_SIZES,
+    DENSE_LAYOUTS,
+    DENSE_SHARE,
+    INT32_ELEMENTS,
+    dense_cases,
+    dense_rows,
+)
 from difftest.cases.generate import generated_cases
+from difftest.cases.strategies import cases
 from difftest.inputs import generate
 from difftest.kv_layouts import LAYOUTS
 from difftest.layouts import CachePool, build_cache, write_attended
@@ -261,3 +271,55 @@ def test_block_sizes_off_the_grid_are_refused_by_name(layout: str, size: int) ->
     with pytest.raises(CaseError) as info:
         dense(32, 64, 1, 1, layout).replace(block_size=size, page_size=size)
     assert info.value.field == "page_size"
+
+
+@pytest.fixture(scope="module")
+def dense_strategy(difftest_session) -> st.SearchStrategy[Case]:
+    """The dense family over what the configured backends run (as ``difftest run``)."""
+    session = difftest_session
+    return Capabilities.probe(session.backends, session.device).dense_strategy()
+
+
+@settings(max_examples=max(1, settings.default.max_examples // DENSE_SHARE))
+@given(data=st.data())
+def test_generated_dense_cases(data: st.DataObject, dense_strategy, check_example) -> None:
+    """One dense example per five of the profile's (``difftest run``'s share) on every
+    configured backend, each in the variant fitted to it; a failure fails the test."""
+    check_example(data.draw(dense_strategy, label="case"))
+
+
+def test_huge_cases_put_their_last_block_past_int32_offsets() -> None:
+    for case in generated_cases(6, 0, dense_cases(huge=True, kernel_modes=False)):
+        per_block = 2 * case.block_size * case.num_kv_heads * case.head_dim
+        assert case.block_tables[0][0] == case.num_blocks - 1
+        assert (case.num_blocks - 1) * per_block >= INT32_ELEMENTS
+
+
+@pytest.mark.skipif(chosen_profile() != "nightly", reason="4 GiB caches: the nightly profile "
+                    "runs them (HYPOTHESIS_PROFILE=nightly)")
+def test_cases_past_int32_offsets(check_example) -> None:
+    """Caches past 2**31 elements with the last block attended, on every configured backend;
+    where the memory is short each is refused up front with the numbers (then skipped)."""
+    results = [r for case in generated_cases(4, 0, dense_cases(huge=True))
+               for result in check_example(case) for r in result.results]
+    if all(r.detail.startswith("case refused before any allocation") for r in results):
+        pytest.skip(results[0].detail)
+
+
+def test_the_sparse_family_reaches_rows_past_2048_tokens_above_top_k_16() -> None:
+    """With max_topk 64 the sparse strategy draws top-k 32 and 64, rows past 16 x 128
+    tokens; the default (max_topk 16) draws the model's top-k at most."""
+    drawn = generated_cases(40, 0, cases(max_topk=64))
+    long = [c for c in drawn if max(r.context_len for r in build_rows(c)) > 2048]
+    assert long and {c.topk for c in long} <= {32, 64}
+    assert max(c.topk for c in generated_cases(40, 0, cases())) == 16
+
+
+def test_triton_unified_agrees_on_a_row_of_top_k_32_past_2048_tokens() -> None:
+    """One row selecting 18 blocks in a scrambled order, 2177 tokens, top-k 32."""
+    lanes = (17, 0, *range(16, 0, -1)) + (-1,) * 14
+    case = Case(num_blocks=20, seq_lens=(2177,), block_tables=(tuple(range(19, 1, -1)),),
+                selections=(lanes,), num_q_heads=2)
+    result = run_case(case, TorchReference(), [TritonUnifiedAttention()], CPU).results[0]
+    assert build_rows(case)[0].context_len == 2177
+    assert result.status is Status.AGREE, result.detail

@@ -1,8 +1,12 @@
-"""``triton-unified``: vLLM's Triton ``unified_attention`` on the plain LBHNC/LHBNC views.
+"""``triton-unified``: vLLM's Triton ``unified_attention`` on the plain views of any layout.
 
 Each query row is its own sequence of length 1 attending ``context_lens[row]`` tokens through
-the framework's page-16 sparse table; K and V are the untrimmed plain views (2048 vs 2040
-pages at 128 blocks), which ``unified_attention`` addresses through strides alone. fp8 KV runs
+the framework's sparse page table; K and V are the untrimmed plain views (2048 vs 2040
+pages at 128 LBHNC blocks), which ``unified_attention`` addresses through strides alone. A
+dense case (``Case.dense``) runs each request as one sequence of its query tokens over its
+block table, as vLLM's attention layers call it, at the case's geometry: vLLM's split K/V
+cache or the LBHNC/LHBNC pages, any head size (padded to a power of two inside the kernel),
+several KV heads (GQA) and blocks of any multiple of 16 tokens. fp8 KV runs
 with ``KVQuantMode.FP8_PER_TENSOR`` where the release has ``kv_quant_mode`` (older releases
 detect fp8 from the cache dtype). The case's logit softcap is passed as ``softcap`` and its
 sliding window ``W`` as ``window_size=(W - 1, 0)``: the row's query sits at the end of its

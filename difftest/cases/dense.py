@@ -11,7 +11,7 @@ The kernel modes come from :mod:`difftest.cases.modes` (one case in two), prefil
 lengths as one causal sequence per request.
 
 Sizes stay small for the interpreter (up to 3 requests of up to 384 tokens); ``huge``
-(nightly) draws caches past 2**31 bytes with the last block attended, so that a kernel's
+(nightly) draws caches past 2**31 elements with the last block attended, so that a kernel's
 int32 offset arithmetic is reached (docs/geometry.md).
 """
 
@@ -34,7 +34,7 @@ MAX_BATCH = 3
 MAX_PREFILL_QUERY = 17  # prefill-like requests: vLLM's 3-D bound (8) and BLOCK_Q (16) passed
 DENSE_SHARE = 5  # difftest run draws one dense example per five sparse ones
 SPARE_BLOCKS = 8  # blocks no request holds (NaN canaries a kernel must not read)
-INT32_BYTES = 1 << 31
+INT32_ELEMENTS = 1 << 31
 DtypePair = tuple[str, str]  # (query_dtype, kv_dtype)
 
 
@@ -51,12 +51,12 @@ def dtype_pairs(query_dtypes: Sequence[str] = QUERY_DTYPES,
 
 
 @st.composite
-def geometries(draw: st.DrawFn) -> dict[str, int | str]:
+def geometries(draw: st.DrawFn, min_kv_heads: int = 1) -> dict[str, int | str]:
     """A cache geometry: layout, block and page sizes, head size, KV and query heads."""
     layout = draw(st.sampled_from(DENSE_LAYOUTS))
     block = draw(st.sampled_from(BLOCK_SIZES))
     head_dim = draw(st.sampled_from(HEAD_DIMS))
-    kv_heads = draw(st.integers(1, MAX_KV_HEADS))
+    kv_heads = draw(st.integers(min_kv_heads, MAX_KV_HEADS))
     group = draw(st.integers(1, min(MAX_GQA, MAX_Q_HEADS // kv_heads)))
     return {"kv_layout": layout, "block_size": block,
             "page_size": 16 if layout == "LBHNC" else block, "head_dim": head_dim,
@@ -74,11 +74,12 @@ def dense_rows(seq_len: int, query_len: int, block_size: int, topk: int) -> list
     return rows
 
 
-def huge_blocks(geometry: dict[str, int | str], itemsize: int) -> int:
-    """The fewest blocks whose cache passes 2**31 bytes (the last block's offsets past int32)."""
+def huge_blocks(geometry: dict[str, int | str]) -> int:
+    """The fewest blocks whose cache passes 2**31 elements (so its last block's element
+    offsets, and byte offsets, pass int32: 2 GiB of fp8, 4 GiB of 16-bit values)."""
     per_block = (2 * int(geometry["block_size"]) * int(geometry["num_kv_heads"])
-                 * int(geometry["head_dim"]) * itemsize)
-    return INT32_BYTES // per_block + 2
+                 * int(geometry["head_dim"]))
+    return INT32_ELEMENTS // per_block + 2
 
 
 @st.composite
@@ -86,13 +87,14 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
                 kernel_modes: bool = True, huge: bool = False) -> Case:
     """A dense case; ``pairs``: the ``(query_dtype, kv_dtype)`` drawn from (default: all);
     ``kernel_modes``: one case in :data:`~difftest.cases.strategies.KERNEL_MODES_ONE_IN`
-    draws them; ``huge``: a cache past 2**31 bytes whose last block is attended."""
+    draws them; ``huge``: a cache past 2**31 elements whose last block is attended."""
     allowed = list(pairs) if pairs is not None else list(dtype_pairs())
     if not allowed:
         raise ValueError("dense_cases: no (query_dtype, kv_dtype) pair is allowed")
     flags = draw(mode_flags(kernel_modes))
     plan = draw(mode_plans(flags)) if flags % KERNEL_MODES_ONE_IN == 1 else None
-    geometry = draw(geometries())
+    # a huge cache of the smallest blocks needs two KV heads to stay within MAX_NUM_BLOCKS
+    geometry = draw(geometries(min_kv_heads=2 if huge else 1))
     query_dtype, kv_dtype = draw(st.sampled_from(allowed))
     block = int(geometry["block_size"])
     prefill = plan is not None and plan.prefill
@@ -108,15 +110,17 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
         seq_len = 0 if padded else max(full * block + tail, query_len)
         requests.append((seq_len, query_len))
     needed = [cdiv(s, block) for s, _ in requests]
-    itemsize = 1 if kv_dtype in FP8_DTYPES else 2
     if huge:
-        num_blocks = huge_blocks(geometry, itemsize) + draw(st.integers(0, SPARE_BLOCKS))
+        num_blocks = huge_blocks(geometry) + draw(st.integers(0, SPARE_BLOCKS))
     else:
         num_blocks = sum(needed) + draw(st.integers(0, SPARE_BLOCKS))
     ids = draw(picks(range(num_blocks), sum(needed)))
-    if ids and (huge or draw(st.booleans())):  # the last block, where offsets peak
-        at = ids.index(num_blocks - 1) if num_blocks - 1 in ids else 0
-        ids[0], ids[at] = num_blocks - 1, ids[0]
+    if ids and (huge or draw(st.booleans())):  # the last block first, where offsets peak
+        if num_blocks - 1 in ids:
+            ids.remove(num_blocks - 1)
+        else:
+            ids.pop()
+        ids.insert(0, num_blocks - 1)
     tables, at = [], 0
     for count in needed:
         tables.append(tuple(ids[at:at + count]))

@@ -51,7 +51,9 @@ PAGE_IDS_PAST_2_16 = {"LBHNC": 4097, "LHBNC": 8193}  # smallest cache with a pag
 SELECTION_MODES = ("indexer", "all", "tail-only", "empty-rows", "irregular")
 MAX_FULL_BLOCKS = 20  # up to 21 blocks per request: rows longer than top-k 16 x 128 tokens
 PREFILL_FULL_BLOCKS = 1  # a request of several query tokens: up to 2 blocks (256 tokens)
-TOPKS = (1, 2, 3, 4, 8, 16)  # ascending, so a shrink shortens the rows
+# ascending, so a shrink shortens the rows; 32 and 64 (rows past 2048 tokens) only where a
+# caller raises max_topk past the model's 16 (the default draws are unchanged)
+TOPKS = (1, 2, 3, 4, 8, 16, 32, 64)
 Q_HEADS = (1, 8, 16, 64)
 SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
 KERNEL_MODES_ONE_IN = 2  # cases with softcap, sliding window and canaries drawn (modes.py)
