@@ -126,15 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     unfit = sum(part["unfit"] for part in parts)
     statuses = Counter((r["backend"], r["status"]) for e in records for r in e["results"])
     names = sorted({backend for backend, _ in statuses})
-    blind = [f"{c.backend}: {c.argument.name}"
-             for c in blind_spots(records, backends, torch.device(device))]
+    blind = [f"{c.backend}: {c.argument}" for c in blind_spots(records, backends)]
     generation = [f"part {i + 1} (seed {args.seed + i}): {line}"
                   for i, part in enumerate(parts) for line in part["lines"]]
     generation.append(f"examples some backend could not run, all parts: {unfit} of {examples} "
                       f"({unfit / max(examples, 1):.1%})")
     for line in generation:
         print(f"generation: {line}")
-    print("\n".join(audit_lines(records, backends, torch.device(device))))
+    print("\n".join(audit_lines(records, backends)))
     for (backend, status), count in sorted(statuses.items()):
         print(f"{backend:<24} {status:<12} {count}")
     for failure in failures:

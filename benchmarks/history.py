@@ -64,9 +64,11 @@ from hypothesis import strategies as st
 
 from difftest import devices
 from difftest.backend import Backend, RunInputs
+from difftest.backends.vllm_paged_decode import loads_unread_slots_outside_the_window
 from difftest.case import MODE_DEFAULTS, Case, CaseError
 from difftest.jsonfile import write_json
 from difftest.runner import FAILING, CaseResult, Status, run_case
+from difftest.sparse_table import build_rows
 
 CONTROL = "triton-unified"  # the venv's vLLM (0.33.0)
 # the modes an ablation switches off, one at a time (split-K off also clears its threshold)
@@ -87,9 +89,10 @@ def release_tuple(version: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class HistoricalBug:
-    """A bug vLLM shipped in ``unified_attention``: the last release with it, the first
-    without, the kernel mode whose removal makes its failures agree (the ablation's
-    explanation), and what a case needs to trigger it (a predicate, for tests)."""
+    """A bug vLLM shipped in the kernel of ``backend``: the last release with it, the first
+    without (``""``: not fixed yet, no pair to hunt, but it explains failures), the kernel mode
+    whose removal makes its failures agree (the ablation's explanation), and what a case needs
+    to trigger it (a predicate, for tests)."""
 
     name: str
     buggy: str
@@ -97,14 +100,17 @@ class HistoricalBug:
     cause: str
     mode: str
     needs: Callable[[Case], bool]
+    backend: str = "triton-unified"
 
-    def present_in(self, version: str) -> bool:
-        """Whether vLLM ``version`` has this bug (every release before the fix)."""
-        return release_tuple(version) < release_tuple(self.fixed)
+    def present_in(self, release: str) -> bool:
+        """Whether ``release`` (``backend@version``, see :func:`_version`) has this bug."""
+        backend, _, version = release.rpartition("@")
+        return backend == self.backend and (
+            not self.fixed or release_tuple(version) < release_tuple(self.fixed))
 
-    def explains(self, version: str, case: Case) -> bool:
-        """Whether a failure of vLLM ``version`` on ``case`` may be this bug."""
-        return self.present_in(version) and self.needs(case)
+    def explains(self, release: str, case: Case) -> bool:
+        """Whether a failure of ``release`` on ``case`` may be this bug."""
+        return self.present_in(release) and self.needs(case)
 
 
 def max_abs_logit(case: Case) -> float:
@@ -116,6 +122,27 @@ def max_abs_logit(case: Case) -> float:
     keys = data.k_stored.to(torch.float64).flatten(0, 2) * case.k_scale  # [tokens, D]
     query = data.query.to(torch.float64).flatten(0, 1)  # [rows * heads, D]
     return float((query @ keys.T).abs().max()) * case.softmax_scale
+
+
+def loads_unread_slots_past_the_context(case: Case) -> bool:
+    """Whether, with ``canary``, some row's last 16-token tile holds slots past its context
+    that no row reads (NaN there; fp8 canaries read as finite under the interpreter)."""
+    if not case.canary or (case.is_fp8 and devices.interpreted()):
+        return False
+    rows = build_rows(case)
+    read = set()
+    for row in rows:
+        ids = [seg.physical_block * case.block_size + t for seg in row.segments
+               for t in range(seg.tokens)]
+        read.update(ids[-case.sliding_window:] if case.sliding_window else ids)
+    for row in rows:
+        if row.segments:
+            tail = row.segments[-1]
+            end = -(-tail.tokens // case.page_size) * case.page_size
+            base = tail.physical_block * case.block_size
+            if any(base + t not in read for t in range(tail.tokens, end)):
+                return True
+    return False
 
 
 EXP_OVERFLOW = 88.0  # float32 exp(y) is inf past y = 88.7
@@ -133,12 +160,25 @@ KNOWN_BUGS = (
                   "by P = 0: a NaN slot before the window in the first tile poisons the row; "
                   "0.14.0 zeroes V outside the window", "sliding_window",
                   lambda case: case.sliding_window > 0 and case.canary),
+    HistoricalBug("paged-tail-nan", "0.14.0", "0.30.0",
+                  "kernel_paged_attention_2d loads every slot of a row's last tile and masks "
+                  "only the logits: a NaN slot past seq_len (unwritten cache) makes P @ V NaN; "
+                  "0.30.0 masks the K/V loads with abs_token_idx < seq_len (kv_load_mask)",
+                  "canary", lambda case: loads_unread_slots_past_the_context(case),
+                  backend="vllm-paged-decode"),
+    HistoricalBug("paged-window-nan", "0.33.0", "",
+                  "docs/findings.md F28: kernel_paged_attention_2d loads the tokens before "
+                  "its sliding window and weights them by exp(-10000 - m) = 0", "sliding_window",
+                  lambda case: loads_unread_slots_outside_the_window(
+                      case, {"triton_interpret": str(devices.interpreted())}),
+                  backend="vllm-paged-decode"),
 )
 
 
-def known_bugs(version: str, case: Case) -> list[str]:
-    """The known bugs of vLLM ``version`` whose trigger ``case`` has (no kernel runs)."""
-    return [b.name for b in KNOWN_BUGS if b.explains(version, case)]
+def known_bugs(release: str, case: Case) -> list[str]:
+    """The known bugs of ``release`` (``backend@version``) whose trigger ``case`` has (no
+    kernel runs)."""
+    return [b.name for b in KNOWN_BUGS if b.explains(release, case)]
 
 
 # ----- attribution by ablation -------------------------------------------------------------
@@ -303,10 +343,13 @@ def _backends() -> dict[str, Backend]:
     if "known" not in _STATE:
         from difftest.backends.torch_ref import TorchReference
         from difftest.backends.triton_unified import TritonUnifiedAttention
+        from difftest.backends.vllm_decode_attention import VllmDecodeAttention
+        from difftest.backends.vllm_paged_decode import VllmPagedDecode
         from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 
         _STATE["known"] = {b.name: b for b in (TorchReference(), TritonUnifiedAttention(),
-                                               VllmTritonSparse())}
+                                               VllmTritonSparse(), VllmPagedDecode(),
+                                               VllmDecodeAttention())}
         _STATE["chosen"] = {}
     return _STATE["known"]
 
@@ -330,7 +373,9 @@ def _run(case: Case, backends: Sequence[Backend]) -> CaseResult:
 
 
 def _version(backend: Backend) -> str:
-    return backend.versions().get("vllm", "?")
+    """``<backend base name>@<its vLLM version>``: the release a known bug is keyed by."""
+    base = backend.name.split("[", 1)[0]
+    return f"{base}@{backend.versions().get('vllm', '?')}"
 
 
 def _detail(result: Any) -> str:
@@ -561,9 +606,9 @@ def summary(outcomes: list[PairOutcome], swept: dict[str, dict[str, int]],
         lines.append(f"{o.name:20} {o.buggy:28} {('yes' if o.found else 'NO'):5} "
                      f"{o.examples if o.found else '-':>7} {o.seconds:>7.1f}  {same}")
     for o in outcomes:
-        lines.append(f"\n{o.name}: {o.buggy} (vLLM {o.versions[o.buggy]}); fixed {o.fixed} "
-                     f"(vLLM {o.versions[o.fixed]}); control {o.control} "
-                     f"(vLLM {o.versions[o.control]}); cases {o.cases_hash}")
+        lines.append(f"\n{o.name}: {o.buggy} ({o.versions[o.buggy]}); fixed {o.fixed} "
+                     f"({o.versions[o.fixed]}); control {o.control} "
+                     f"({o.versions[o.control]}); cases {o.cases_hash}")
         if o.found:
             lines.append(f"  first failure it explains: example {o.examples} ({o.ran} run by "
                          f"the buggy release), {o.seconds:.1f} s, {o.status}: {o.first_detail}")
@@ -607,7 +652,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", action="append", nargs=2, default=[],
                         metavar=("BUGGY", "FIXED"),
                         help="a buggy and a fixed backend name (default: the known bugs)")
-    parser.add_argument("--control", default=CONTROL)
+    parser.add_argument("--control", help="the control backend (default: the buggy "
+                        "backend's base name, the venv's vLLM)")
+    parser.add_argument("--bug", action="append", default=[],
+                        help="hunt only this known bug (repeatable; default: all)")
     parser.add_argument("--examples", type=int, default=50,
                         help="cases per pair, as difftest run --examples")
     parser.add_argument("--seed", type=int, default=0, help="as difftest run --seed")
@@ -632,13 +680,14 @@ def main(argv: list[str] | None = None) -> int:
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.generate import generated_cases
 
-    pairs: list[tuple[HistoricalBug | None, str, str, str]] = [
-        (None, buggy, buggy, fixed) for buggy, fixed in args.pair] or [
-        (b, b.name, f"triton-unified[vllm={b.buggy}]", f"triton-unified[vllm={b.fixed}]")
-        for b in KNOWN_BUGS]
-    control = _backend(args.control).name
+    pairs: list[tuple[HistoricalBug | None, str, str, str, str]] = [
+        (None, buggy, buggy, fixed, args.control or CONTROL) for buggy, fixed in args.pair] or [
+        (b, b.name, f"{b.backend}[vllm={b.buggy}]", f"{b.backend}[vllm={b.fixed}]",
+         args.control or b.backend)
+        for b in KNOWN_BUGS if b.fixed and (not args.bug or b.name in args.bug)]
     outcomes, hunts, agrees, draw_seconds = [], [], [], 0.0
-    for target, name, buggy_name, fixed_name in pairs:
+    for target, name, buggy_name, fixed_name, control_name in pairs:
+        control = _backend(control_name).name
         drawn_at = time.perf_counter()
         drawn = generated_cases(args.examples, args.seed,
                                 default_strategy(_backend(buggy_name), device))
@@ -650,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
                                   args.shrink_runs, args.shrink_seconds)))
         agrees.append([(agree_unit, ((fixed_name, control), part))
                        for part in chunks(list(enumerate(dicts, 1)), args.chunk)])
-    releases = list(dict.fromkeys(n for o in outcomes for n in (o.buggy, o.fixed, control)))
+    releases = list(dict.fromkeys(n for o in outcomes for n in (o.buggy, o.fixed, o.control)))
     swept_cases = generated_cases(args.sweep, args.seed, Capabilities.probe(
         [_backend(n) for n in releases], device).strategy()) if args.sweep else []
     sweep_units = [(agree_unit, (releases, part)) for part in

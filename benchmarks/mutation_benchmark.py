@@ -312,10 +312,12 @@ class StretchResult:
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)
     false_positives: list[dict[str, str]] = field(default_factory=list)
     seconds: float = 0.0
+    runs: list[dict[str, Any]] = field(default_factory=list)  # results with stated calls
 
     def merge(self, other: StretchResult) -> None:
         """Add another chunk's counts."""
         self.cases += other.cases
+        self.runs.extend(other.runs)
         for backend, counts in other.statuses.items():
             mine = Counter(self.statuses.get(backend, {}))
             mine.update(counts)
@@ -336,6 +338,7 @@ def _stretch_task(chunk: Sequence[Case], names: Sequence[str], device: str) -> S
     for case in chunk:
         result = run_case(case, reference, backends, dev)
         out.cases += 1
+        out.runs.append({"results": [r.record().to_dict() for r in result.results]})
         for r in result.results:
             counts[r.backend][r.status.value] += 1
             if r.status in FAILING:
@@ -389,25 +392,22 @@ def run_benchmark(device: str, limits: Limits, workers: int) -> dict[str, Any]:
             fp.merge(f.result())
     return {
         "outcomes": [asdict(o) for o in outcomes],
-        "blind_spots": blind_spot_list(stretch, [*catalog, *FALSE_POSITIVE_BACKENDS], device),
+        "blind_spots": blind_spot_list(fp.runs, FALSE_POSITIVE_BACKENDS),
         "mutants": list(catalog),
-        "false_positive_stretch": asdict(fp),
+        "false_positive_stretch": {k: v for k, v in asdict(fp).items() if k != "runs"},
         "limits": asdict(limits),
         "wall_seconds": time.perf_counter() - start,
         "machine": machine(device, workers),
     }
 
 
-def blind_spot_list(cases: Sequence[Case], names: Sequence[str], device: str) -> list[str]:
-    """``backend: argument`` for every kernel argument that took a single value on ``cases``
-    though :mod:`difftest.audit` does not document it as fixed (counting, per backend, the
-    cases it supports)."""
+def blind_spot_list(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[str]:
+    """``backend: argument`` for every kernel argument that took a single value over the
+    stretch's ``runs`` though the backend's statements do not say it is fixed
+    (:mod:`difftest.audit`)."""
     from difftest.audit import blind_spots
-    from difftest.registry import discover, select
 
-    backends = [b for b in select(discover([CATALOG]), names) if b.availability().available]
-    return [f"{c.backend}: {c.argument.name}"
-            for c in blind_spots(cases, backends, torch.device(device))]
+    return [f"{c.backend}: {c.argument}" for c in blind_spots(runs, names)]
 
 
 def machine(device: str, workers: int) -> dict[str, Any]:

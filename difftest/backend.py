@@ -25,6 +25,7 @@ import torch
 from difftest.case import Case
 from difftest.devices import to_device
 from difftest.inputs import CaseData, generate
+from difftest.kernel_call import KernelCall
 from difftest.layouts import CachePool, CacheViews, build_cache
 from difftest.sparse_table import SparseRow, build_rows, page_table
 
@@ -104,7 +105,8 @@ class Backend(Protocol):
         ...
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
-        """Compute the decode output for ``inputs.case``."""
+        """Compute the decode output for ``inputs.case``, stating each kernel call it makes
+        with :meth:`RunInputs.state` (built from the arguments the call is made with)."""
         ...
 
 
@@ -148,13 +150,20 @@ class RunInputs:
 
     ``pool``: a session's :class:`~difftest.layouts.CachePool`, whose buffers the caches are
     built in (the same bytes; valid until the pool's next case); without one each cache is a
-    fresh :func:`~difftest.layouts.build_cache`.
+    fresh :func:`~difftest.layouts.build_cache`. ``calls``: the kernel calls the running
+    backend stated (:meth:`state`); the runner empties it before each backend runs.
     """
 
     case: Case
     device: torch.device
     _caches: dict[str, CacheViews] = field(default_factory=dict, repr=False)
     pool: CachePool | None = field(default=None, repr=False)
+    calls: list[KernelCall] = field(default_factory=list, repr=False)
+
+    def state(self, call: KernelCall) -> None:
+        """Record the statement of a kernel call the running backend made
+        (:func:`difftest.kernel_call.kernel_call`, from the arguments it made it with)."""
+        self.calls.append(call)
 
     @cached_property
     def data(self) -> CaseData:

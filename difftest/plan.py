@@ -116,5 +116,5 @@ def session_report(session: Session, config: dict[str, Any],
     backends' entries, the fingerprint and the audit of the cases."""
     records = unique_cases(session.records)
     return Report(session.environment, session.config() | config, session.backend_entries(),
-                  records, audit_json(records, session.backends, session.device),
+                  records, audit_json(records, session.backends),
                   earlier_crashes=list(earlier_crashes))

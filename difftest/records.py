@@ -24,6 +24,7 @@ from typing import Any, ClassVar, TypeVar, Union
 
 from difftest.compare import Comparison
 from difftest.jsonfile import number
+from difftest.kernel_call import KernelCall
 
 
 class Status(enum.Enum):
@@ -156,6 +157,9 @@ class ResultRecord:
     versions: dict[str, str] = field(default_factory=dict)
     comparison: Comparison | None = None
     output_sha256: str | None = None
+    calls: list[KernelCall] = field(default_factory=list)  # what the backend stated it ran
+
+    READ_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"calls"})  # reports before them
 
     @property
     def ratio(self) -> float | None:
@@ -167,13 +171,14 @@ class ResultRecord:
         return {"backend": self.backend, "status": self.status.value, "seconds": self.seconds,
                 "detail": self.detail, "versions": dict(self.versions),
                 "comparison": None if self.comparison is None else self.comparison.to_dict(),
-                "output_sha256": self.output_sha256}
+                "output_sha256": self.output_sha256,
+                "calls": [dataclasses.asdict(c) for c in self.calls]}
 
     @classmethod
     def from_dict(cls, value: Any, where: str) -> ResultRecord:
-        """Read an entry back (its comparison and worst locations included);
+        """Read an entry back (its comparison, worst locations and stated calls included);
         :class:`RecordError` names ``where`` and the field."""
-        return read_entry(cls, value, where)
+        return read_entry(cls, value, where, cls.READ_OPTIONAL)
 
 
 @dataclass(frozen=True)

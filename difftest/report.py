@@ -279,11 +279,12 @@ def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None) -> l
         return []
     lines = []
     for backend, entry in sorted(audit["backends"].items()):
-        blind = [f"{a['name']}={'/'.join(a['values']) or '-'}" for a in entry["arguments"]
-                 if a["blind"]]
-        if blind and entry["cases"]:  # a backend that ran nothing is not audited
-            lines.append(f"blind spots of {backend} ({entry['kernel']}, {entry['cases']} "
-                         f"cases): {', '.join(blind)}")
+        for kernel, stated in entry["kernels"].items():
+            blind = [f"{a['name']}={'/'.join(a['values']) or '-'}"
+                     for a in stated["arguments"] if a["blind"]]
+            if blind and entry["cases"]:  # a backend that ran nothing is not audited
+                lines.append(f"blind spots of {backend} ({kernel}, {entry['cases']} "
+                             f"cases): {', '.join(blind)}")
     where = f"difftest audit {path}" if path else "difftest run --audit"
     lines.append(f"parameter audit: {len(lines)} backend(s) with blind spots; all of it: "
                  f"{where}")

@@ -39,6 +39,7 @@ from difftest.devices import to_device
 from difftest.diagnosis import diagnosis_lines
 from difftest.footprint import refusal
 from difftest.inputs import HostTables, generate, host_tables
+from difftest.kernel_call import KernelCall
 from difftest.layouts import CachePool
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
 from difftest.sparse_table import SparseRow, build_rows, page_table
@@ -73,11 +74,13 @@ class BackendResult:
     detail: str = ""
     comparison: Comparison | None = None
     versions: dict[str, str] = field(default_factory=dict)
+    calls: list[KernelCall] = field(default_factory=list)
 
     def record(self, output_sha256: str | None = None) -> ResultRecord:
         """This result as recorded, with the digest of the backend's output."""
         return ResultRecord(self.backend, self.status, self.seconds, self.detail,
-                            dict(self.versions), self.comparison, output_sha256)
+                            dict(self.versions), self.comparison, output_sha256,
+                            list(self.calls))
 
 
 @dataclass
@@ -330,6 +333,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
                              detail=f"building its cache failed:\n{_traceback()}",
                              versions=versions)
     start = time.perf_counter()
+    inputs.calls = calls = []
     try:
         with _calling(hooks, case, backend.name, backend.name):
             actual = backend.run(inputs)
@@ -341,7 +345,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
         seconds = time.perf_counter() - start
         timings[backend.name] = seconds
         return BackendResult(backend.name, Status.ERROR, seconds, _traceback(),
-                             versions=versions)
+                             versions=versions, calls=calls)
     seconds = time.perf_counter() - start
     timings[backend.name] = seconds
     start = time.perf_counter()
@@ -353,7 +357,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     except Exception:  # an output that cannot be compared (wrong shape, not a tensor)
         return BackendResult(backend.name, Status.ERROR, seconds,
                              f"its output could not be compared:\n{_traceback()}",
-                             versions=versions)
+                             versions=versions, calls=calls)
     else:
         if diagnose and not comparison.agrees:  # what the worst rows read; never raises
             comparison = dataclasses.replace(comparison, diagnosis=diagnosis_lines(
@@ -362,4 +366,5 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     finally:
         timings["compare"] = timings.get("compare", 0.0) + time.perf_counter() - start
     status = Status.AGREE if comparison.agrees else Status.DISAGREE
-    return BackendResult(backend.name, status, seconds, comparison=comparison, versions=versions)
+    return BackendResult(backend.name, status, seconds, comparison=comparison, versions=versions,
+                         calls=calls)

@@ -268,13 +268,22 @@ def test_default_strategy_draws_every_mode_at_its_boundaries() -> None:
 
 
 def test_audit_shows_the_new_modes_varying_on_triton_unified() -> None:
+    """triton-unified's statements over one case of each mode: the q descale, the kernel
+    path of the split-K scratch and the query length vary."""
     drawn = generated_cases(60, 0, cases(max_batch=2, max_topk=4, max_blocks=160))
-    values = {c.argument.name: set(map(str, c.values))
-              for c in audit(drawn, ["triton-unified"])}
-    assert {"None", "< 1"} <= values["q_descale"] or {"None", "> 1"} <= values["q_descale"]
-    assert "None: 2D" in values["seq_threshold_3D"]
-    assert any(v.startswith("3D") for v in values["seq_threshold_3D"])
-    assert any(v.startswith("2D") for v in values["seq_threshold_3D"])
+    picks = [next(c for c in drawn if c.q_scale).replace(kv_dtype="float8_e4m3fn"), PREFILL,
+             next(c for c in drawn if c.split_k_segments and kernel_path(c) == "3D"),
+             next(c for c in drawn if c.split_k_segments and kernel_path(c) == "2D"),
+             next(c for c in drawn if not c.kernel_modes)]
+    backend = TritonUnifiedAttention(allow_interpreter_fp8_query=True,
+                                     allow_interpreter_bf16=True)
+    records = [run_case(c, TorchReference(), [backend], torch.device("cpu")).record()
+               for c in picks]
+    values = {c.argument: set(c.values) for c in audit(records, [backend])}
+    assert "None" in values["q_descale"] and values["q_descale"] & {"< 1", "> 1", "1.0"}
+    assert "None" in values["seq_threshold_3D"]
+    assert any(v.startswith("3D ran") for v in values["seq_threshold_3D"])
+    assert any(v.startswith("2D ran") for v in values["seq_threshold_3D"])
     assert "1" in values["max_seqlen_q"] and len(values["max_seqlen_q"]) >= 2
 
 

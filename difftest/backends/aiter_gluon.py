@@ -53,6 +53,7 @@ from difftest.backends.pa_decode_gluon_emulator import (
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.fingerprint import aiter_commit
+from difftest.kernel_call import KernelCall, id_classes, kernel_call, length_classes, scale_class
 from difftest.registry import OptionSpec
 
 GLUON_MODULE = "aiter.ops.triton.gluon.pa_decode_gluon"
@@ -343,7 +344,49 @@ class AiterGluon(GluonCaller):
         args = gluon_arguments(inputs, self.options["k_trim"], self.options["scales"],
                                self._splits, fp8, self._recommended_splits(case))
         kernel(**args)
+        inputs.state(gluon_statement(kernel, args, case, self.options["splits"]))
         return args["output"]
+
+
+GLUON_FIXED = {
+    "query_length": "vLLM's MiniMax-M3 AITER path passes each query token as its own sequence "
+                    "(sparse_pa.py: query_length=1)",
+    "max_context_partition_num": "the splits option picks it (auto: AITER's recommendation); "
+                                 "other values are backend options, e.g. [splits=1]",
+    "context_partition_size": "256, the only size AITER tests and vLLM passes",
+    "query_scale": "MiniMax-M3 keeps queries in bf16/fp16 (sparse_pa.py: query_scale=None)",
+    "exp_sums": "fp32 scratch the adapter allocates, shaped by the call",
+    "max_logits": "fp32 scratch the adapter allocates, shaped by the call",
+    "temporary_output": "output-dtype scratch the adapter allocates",
+    "alibi_slopes": "AITER accepts and ignores it (never forwarded)",
+    "sinks": "MiniMax-M3 passes no sinks (sparse_pa.py: sinks=None)",
+    "sliding_window": "MiniMax-M3 has no window; both pa_decode_gluon callers refuse such cases",
+    "ps": "vLLM's MiniMax-M3 path passes ps=True (forced by AITER when one partition)",
+    "head_dim": "the case model holds it (difftest/case.py validate)",
+    "page_size": "vLLM's MiniMax-M3 sparse PA passes 16-token pages only",
+    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+}
+
+
+def gluon_statement(kernel: Callable[..., Any], args: Mapping[str, Any], case: Case,
+                    splits: str) -> KernelCall:
+    """The statement of the ``pa_decode_gluon`` call made with ``args``."""
+    table, ctx, value = args["block_tables"], args["context_lengths"], args["value_cache"]
+    valid = torch.arange(table.shape[1], device=table.device)[None] < (
+        (ctx[:, None] + case.page_size - 1) // case.page_size)
+    pages = f"{case.kv_dtype} {case.kv_layout} {{}} pages"
+    return kernel_call(kernel, args, labels={
+        "key_cache": pages.format(args["key_cache"].shape[0]),
+        "value_cache": pages.format(value.shape[0]),
+        "context_lengths": length_classes(ctx.tolist()),
+        "block_tables": id_classes(table, value.shape[0] - 1, valid),
+        "max_context_partition_num": f"{args['max_context_partition_num']} ({splits})",
+        "key_scale": scale_class(case.k_scale if case.is_fp8 else None),
+        "value_scale": scale_class(case.v_scale if case.is_fp8 else None),
+    }, fixed=GLUON_FIXED, sizes={
+        "head_dim": (case.head_dim, "query.shape[2], value_cache.shape[3]"),
+        "page_size": (case.page_size, "key_cache.shape[3]"),
+        "num_kv_heads": (case.num_kv_heads, "key_cache.shape[1]")})
 
 
 def default_backends() -> list[AiterGluon]:

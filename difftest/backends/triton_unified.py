@@ -45,6 +45,7 @@ from difftest.backends.vllm_imports import triton_availability, triton_precision
 from difftest.backends.vllm_release import chosen_release
 from difftest.case import Case
 from difftest.dtypes import dtype_name, torch_dtype
+from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.sparse_table import kernel_sequences, unified_query_blocks
 
 KERNEL_FILES = ("v1/attention/ops/triton_unified_attention.py",
@@ -63,6 +64,32 @@ INTERPRETER_FP8_QUERY_FINDING = (
     "fp8 queries run on GPUs"
 )
 MAX_3D_QUERY_LEN = 8  # vLLM 0.33.0's bound on max_seqlen_q for the 3-D kernel
+M3 = "MiniMax-M3's sparse decode"
+MODE_OFF = (f"{M3} keeps this mode off; the kernel modes (difftest/cases/modes.py) switch it "
+            "on")
+TWO_D = ("None without split-K scratch (the 2-D kernel, as MiniMax-M3's decode); the split-K "
+         "mode hands over scratch so vLLM picks 2-D or 3-D by shape")
+FIXED = {  # why a parameter of unified_attention does not vary (values still shown)
+    "causal": "the sparse table ends each row at its own token; over a query_lens sequence "
+              "it is the causal mask within the request",
+    "softcap": MODE_OFF, "window_size": MODE_OFF, "q_descale": MODE_OFF,
+    "max_seqlen_q": "1 per row; the query_lens mode passes a request as one sequence",
+    "seq_threshold_3D": TWO_D, "num_par_softmax_segments": TWO_D,
+    "softmax_segm_output": TWO_D, "softmax_segm_max": TWO_D, "softmax_segm_expsum": TWO_D,
+    "alibi_slopes": f"{M3} has no ALiBi", "use_alibi_sqrt": f"{M3} has no ALiBi",
+    "output_scale": f"{M3} writes a bf16/fp16 output, not fp8",
+    "qq_bias": f"{M3} has no query-query bias", "sinks": f"{M3} passes no attention sinks",
+    "mm_prefix_range": f"{M3} has no multimodal prefix",
+    "rswa_prefix_lens": f"{M3} has no R-SWA", "rswa_window": f"{M3} has no R-SWA",
+    "k_scale_cache": "per-tensor fp8 scales only (0-d k/v scales)",
+    "v_scale_cache": "per-tensor fp8 scales only (0-d k/v scales)",
+    "chunk_lookback": f"{M3} has no chunked attention",
+    "use_td": "tensor descriptors are an Intel Xe path",
+    "mm_prefix_clamp_sliding_window": "a Gemma4 switch",
+    "head_dim": "the case model holds it (difftest/case.py validate)",
+    "page_size": "the framework's page-16 views (difftest/case.py validate)",
+    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+}
 
 
 def kernel_path(case: Case, old_rule: bool = False) -> str:
@@ -262,6 +289,7 @@ class TritonUnifiedAttention:
             modes = unified_attention.__globals__["KVQuantMode"]
             arguments["kv_quant_mode"] = modes.FP8_PER_TENSOR if fp8 else modes.NONE
         unified_attention(**arguments)
+        ran = "2D"
         if scratch and bool((ctx > 0).any()):
             ran = "2D" if bool(scratch["softmax_segm_max"].isnan().all()) else "3D"
             expected = kernel_path(case, old_rule="MAX_3D_QUERY_LEN" not in self._source())
@@ -270,7 +298,36 @@ class TritonUnifiedAttention:
                                    f"says {expected} (split_k_segments "
                                    f"{case.split_k_segments}, seq_threshold_3d "
                                    f"{case.seq_threshold_3d}, {len(seqs)} sequences)")
+        inputs.state(self._statement(arguments, case, ran))
         return out
+
+    def _statement(self, arguments: dict[str, Any], case: Case, ran: str) -> Any:
+        """The statement of the ``unified_attention`` call made with ``arguments``."""
+        table, ctx, views = arguments["block_table"], arguments["seqused_k"], arguments["v"]
+        valid = torch.arange(table.shape[1], device=table.device)[None] < (
+            (ctx[:, None] + case.page_size - 1) // case.page_size)
+        scratch = (f"fp32 scratch, {case.split_k_segments} segments"
+                   if case.split_k_segments else "None")
+        threshold = arguments.get("seq_threshold_3D")
+        relation = "" if threshold is None else (
+            " (query blocks <= threshold)" if unified_query_blocks(case) <= threshold
+            else " (query blocks > threshold)")
+        pages = f"{case.kv_dtype} {case.kv_layout} {{}} pages"
+        return kernel_call(self._kernel(), arguments, labels={
+            "k": pages.format(arguments["k"].shape[0]), "v": pages.format(views.shape[0]),
+            "cu_seqlens_q": "one sequence per row" if arguments["max_seqlen_q"] == 1
+            else "requests as causal sequences",
+            "seqused_k": length_classes(ctx.tolist()),
+            "block_table": id_classes(table, views.shape[0] - 1, valid),
+            "q_descale": scale_class(case.q_scale or None),
+            "k_descale": scale_class(case.k_scale if case.is_fp8 else None),
+            "v_descale": scale_class(case.v_scale if case.is_fp8 else None),
+            "seq_threshold_3D": f"{ran} ran{relation}" if threshold is not None else "None",
+            "softmax_segm_output": scratch, "softmax_segm_max": scratch,
+            "softmax_segm_expsum": scratch,
+        }, fixed=FIXED, sizes={"head_dim": (case.head_dim, "q.shape[2], k.shape[3]"),
+                               "page_size": (case.page_size, "k.shape[1], v.shape[1]"),
+                               "num_kv_heads": (case.num_kv_heads, "k.shape[2]")})
 
     @staticmethod
     def _split_k_scratch(case: Case, device: torch.device) -> dict[str, Any]:

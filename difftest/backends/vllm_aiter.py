@@ -41,8 +41,10 @@ from difftest.backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
+from difftest.backends.vllm_triton_sparse import sparse_decode_labels
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
+from difftest.kernel_call import kernel_call
 from difftest.registry import OptionSpec
 from difftest.sparse_table import aiter_table_differs, selection_is_canonical
 
@@ -121,21 +123,35 @@ class VllmAiter(GluonCaller):
         output = inputs.output(torch_dtype(case.query_dtype))
         k_scale, v_scale = inputs.scales() if case.is_fp8 else (None, None)
 
-        def decode() -> None:
-            sparse_pa.minimax_m3_sparse_attn_decode_aiter(
-                inputs.data.query, cache.k, cache.v, inputs.selections(), inputs.block_table(),
-                inputs.seq_lens(), case.num_kv_heads, case.softmax_scale, output,
-                k_scale=k_scale, v_scale=v_scale, decode_query_len=case.decode_query_len,
-            )
-
+        decode = sparse_pa.minimax_m3_sparse_attn_decode_aiter
+        arguments = dict(q=inputs.data.query, k_cache=cache.k, v_cache=cache.v,
+                         topk_idx=inputs.selections(), block_table=inputs.block_table(),
+                         seq_lens=inputs.seq_lens(), num_kv_heads=case.num_kv_heads,
+                         sm_scale=case.softmax_scale, output=output, k_scale=k_scale,
+                         v_scale=v_scale, decode_query_len=case.decode_query_len)
         if not self.emulated:
-            decode()
-            return output
-        # shadow_real: where the real AITER is also installed, this backend still means
-        # the emulator; the fake modules are gone again when the call returns.
-        with installed_as_aiter(self.options["revision"], emulated_arch(case), shadow_real=True):
-            decode()
+            decode(**arguments)
+        else:
+            # shadow_real: where the real AITER is also installed, this backend still means
+            # the emulator; the fake modules are gone again when the call returns.
+            with installed_as_aiter(self.options["revision"], emulated_arch(case),
+                                    shadow_real=True):
+                decode(**arguments)
+        pages = f"{case.kv_dtype} {case.kv_layout} {{}} pages"
+        inputs.state(kernel_call(decode, arguments, labels={
+            **sparse_decode_labels(case, arguments),
+            "k_cache": pages.format(cache.k.shape[0]), "v_cache": pages.format(cache.v.shape[0]),
+        }, fixed=FIXED, sizes={"head_dim": (case.head_dim, "q.shape[2]")}))
         return output
+
+
+FIXED = {
+    "num_kv_heads": "vLLM's MiniMax-M3 AITER sparse PA asserts num_kv_heads == 1 per rank",
+    "sparse_block_table": "the adapter lets vLLM build the sparse table (what the model "
+                          "does); the framework's own table goes to pa_decode_gluon directly",
+    "sparse_context_lens": "built with sparse_block_table, see there",
+    "head_dim": "_run_gluon_decode raises for head_size != 128 (sparse_pa.py)",
+}
 
 
 def default_backends() -> list[VllmAiter]:

@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -129,3 +130,37 @@ def import_minimax_m3(module: str) -> types.ModuleType:
         _loading = ("kernel modules executed from vLLM's sources, "
                     "package __init__ re-exports skipped")
     return importlib.import_module(full)
+
+
+class _CompiledOpsMissing(types.ModuleType):
+    """Stands in for ``vllm._custom_ops`` where it cannot be imported (vLLM's sources without
+    its serving dependencies): importing a kernel file works, using a compiled op raises."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("vllm._custom_ops")
+        self.reason = reason
+
+    def __getattr__(self, name: str) -> object:
+        raise AttributeError(f"vllm._custom_ops.{name}: vLLM's compiled ops are not "
+                             f"importable here ({self.reason})")
+
+
+def import_vllm_kernel(module: str, load: Callable[[], types.ModuleType] | None = None
+                      ) -> types.ModuleType:
+    """Import a vLLM kernel module (``vllm.v1.attention.ops.<name>``, or what ``load``
+    loads: a release's copy). One that imports ``vllm._custom_ops`` only for a compiled path
+    still loads where those ops cannot be imported: :class:`_CompiledOpsMissing` stands in
+    for them and raises on use."""
+    def loader() -> types.ModuleType:
+        return load() if load is not None else importlib.import_module(module)
+
+    try:
+        return loader()
+    except ImportError as err:
+        if "vllm._custom_ops" in sys.modules or not importlib.util.find_spec("vllm"):
+            raise
+        sys.modules["vllm._custom_ops"] = _CompiledOpsMissing(str(err))
+        for name in [n for n in sys.modules if n == module or n.endswith(
+                module.removeprefix("vllm"))]:
+            del sys.modules[name]
+        return loader()

@@ -36,6 +36,7 @@ releases without the MiniMax-M3 decode are unavailable, with the reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ from difftest.backends.vllm_imports import (
 from difftest.backends.vllm_release import chosen_release
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
+from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.registry import OptionSpec
 from difftest.sparse_table import portable_reading_differs, selection_is_canonical
 
@@ -185,9 +187,36 @@ class VllmTritonSparse:
         kv_cache = torch.cat(sides, dim=-1).transpose(1, 2)  # [blocks, nkv, 128, 2D]
         output = inputs.output(torch_dtype(case.query_dtype))
         k_scale, v_scale = inputs.scales() if case.is_fp8 else (None, None)
-        sparse_attn.minimax_m3_sparse_attn_decode(
-            inputs.data.query, kv_cache, inputs.selections(), inputs.block_table(),
-            inputs.seq_lens(), case.num_kv_heads, case.softmax_scale, output,
-            case.decode_query_len, k_scale=k_scale, v_scale=v_scale,
-        )
+        arguments = dict(q=inputs.data.query, kv_cache=kv_cache, topk_idx=inputs.selections(),
+                         block_table=inputs.block_table(), seq_lens=inputs.seq_lens(),
+                         num_kv_heads=case.num_kv_heads, sm_scale=case.softmax_scale,
+                         output=output, decode_query_len=case.decode_query_len,
+                         k_scale=k_scale, v_scale=v_scale)
+        decode = sparse_attn.minimax_m3_sparse_attn_decode
+        decode(**arguments)
+        inputs.state(kernel_call(decode, arguments, labels=sparse_decode_labels(case, arguments),
+                                 fixed={"num_kv_heads": ONE_KV_HEAD, "head_dim": CASE_MODEL},
+                                 sizes={"head_dim": (case.head_dim, "q.shape[2]")}))
         return output
+
+
+ONE_KV_HEAD = "the case model holds one KV head (difftest/case.py)"
+CASE_MODEL = "the case model holds it (difftest/case.py validate)"
+
+
+def sparse_decode_labels(case: Case, arguments: Mapping[str, Any]) -> dict[str, str]:
+    """The value classes of a MiniMax-M3 sparse decode call's selection, block table, lengths
+    and scales (shared by the portable decode and vLLM's AITER path)."""
+    selections = arguments["topk_idx"]
+    rows = selections.shape[-1]
+    kinds = {f"top-k {rows}", "canonical" if selection_is_canonical(case) else "irregular"}
+    lanes = (selections >= 0).sum(-1)
+    if bool((lanes == 0).any()):
+        kinds.add("empty row")
+    if bool((lanes == rows).any()):
+        kinds.add("full row")
+    return {"topk_idx": "{" + ", ".join(sorted(kinds)) + "}",
+            "block_table": id_classes(arguments["block_table"], case.num_blocks - 1),
+            "seq_lens": length_classes(arguments["seq_lens"].tolist()),
+            "k_scale": scale_class(case.k_scale if case.is_fp8 else None),
+            "v_scale": scale_class(case.v_scale if case.is_fp8 else None)}

@@ -158,8 +158,13 @@ class Capabilities:
                 answers = [(combo, backend.unsupported_reason(probe_case(combo), device))
                            for combo in every]
                 runs = [combo for combo, reason in answers if reason is None]
-                mode_reason = (backend.unsupported_reason(
-                    probe_case(runs[0]).replace(**MODE_PROBE), device) if runs else None)
+                # it runs the kernel modes if it runs one of them (fitting turns the others
+                # off per example)
+                mode_reasons = [backend.unsupported_reason(
+                    probe_case(runs[0]).replace(**{mode: value}), device)
+                    for mode, value in MODE_PROBE.items()] if runs else []
+                mode_reason = ("; ".join(r for r in mode_reasons if r)
+                               if mode_reasons and all(mode_reasons) else None)
             except Exception as exc:  # a broken plug-in must not stop the run
                 skipped.append((backend.name, f"its support check raised {exc!r}; generation "
                                 "ignores it, the run reports it per case"))

@@ -1,0 +1,180 @@
+"""``vllm-decode-attention``: vLLM's Triton ``decode_attention_fwd`` (split-KV decode).
+
+``decode_attention_fwd`` (``vllm/v1/attention/ops/triton_decode_attention.py``) is a two-stage
+decode: stage 1 splits each sequence's tokens into ``num_kv_splits`` parts and writes a
+partial output and log-sum-exp per part into ``attn_logits [rows, heads, splits, D + 1]``;
+stage 2 merges them into ``o`` and ``lse``. With one KV head per 16 query heads it runs the
+grouped stage-1 kernel (``_fwd_grouped_kernel_stage1``, ``tl.dot``); with as many KV heads as
+query heads the per-head one. It reads K and V as page views ``[pages, 16, nkv, D]`` and
+takes the page stride from each view itself (``_page_stride``), so the plain LBHNC views,
+K 8 pages longer than V, are passed untrimmed and one page id addresses both.
+
+Each query row is its own sequence over the framework's page-16 sparse table
+(``req_to_token``). The case's softcap is ``logit_cap``; ``num_kv_splits`` is the case's
+``split_k_segments`` where set, else 4. The kernel has no sliding window and no query
+descale. A row of context 0 writes ``0 / 0``: its output is undefined (NaN). Native on a
+GPU; on the CPU under ``TRITON_INTERPRET=1`` (bf16 queries and bf16 caches excluded there:
+finding F1).
+
+``vllm-decode-attention[vllm=0.30.0]`` (or a path, or ``$DIFFTEST_VLLM``) runs that release's
+kernel file (:mod:`difftest.backends.vllm_release`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from difftest import devices
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backends.vllm_imports import (
+    import_vllm_kernel,
+    triton_availability,
+    vllm_version,
+)
+from difftest.backends.vllm_release import chosen_release
+from difftest.case import Case
+from difftest.dtypes import torch_dtype
+from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
+
+KERNEL_FILE = "v1/attention/ops/triton_decode_attention.py"
+MODULE = "vllm.v1.attention.ops.triton_decode_attention"
+DEFAULT_SPLITS = 4
+INTERPRETER_BF16_FINDING = (
+    "bfloat16 queries or caches under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
+    "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
+    "bfloat16 runs on GPUs")
+MHA_PRODUCTS = (
+    "one query head per KV head: decode_attention_fwd's MHA kernel (_fwd_kernel_stage1) forms "
+    "q.k as tl.sum(q * k) of products rounded to the query dtype, a rounding stage the "
+    "declared-precision tolerance has no term for (finding F29: error/tolerance 1.13 on a "
+    "correct fp16 case); the grouped kernel of every other head count uses tl.dot")
+FIXED = {
+    "page_size": "the framework's page-16 views (difftest/case.py validate holds the page "
+                 "size)",
+    "is_mla": "MiniMax-M3 is not MLA: K and V are separate views (left at its default)",
+    "lse": "float32 [rows, heads] scratch the adapter allocates (an output of the kernel)",
+    "head_dim": "the case model holds it (difftest/case.py validate)",
+    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+}
+
+
+class VllmDecodeAttention:
+    """Adapter from a case to ``vllm.v1.attention.ops.triton_decode_attention``."""
+
+    in_page_orders = ("plain",)
+
+    def __init__(self, vllm: str | None = None) -> None:
+        self.release, self.release_error = chosen_release(vllm)
+        self.name = f"vllm-decode-attention[vllm={vllm}]" if vllm else "vllm-decode-attention"
+        self._module: Any = None
+
+    def with_options(self, options: Mapping[str, str]) -> VllmDecodeAttention:
+        """``vllm=<version or path>``: the vLLM release whose kernel runs."""
+        unknown = sorted(set(options) - {"vllm"})
+        if unknown:
+            raise ValueError(f"vllm-decode-attention: unknown option {unknown[0]!r} "
+                             "(options: vllm)")
+        return VllmDecodeAttention(options.get("vllm"))
+
+    def availability(self) -> Availability:
+        """Needs vLLM (the chosen release's kernel file), and a GPU or the interpreter."""
+        if self.release_error:
+            return Availability(False, self.release_error)
+        if self.release is not None and self.release.find(KERNEL_FILE) is None:
+            return Availability(False, f"vLLM {self.release.version} has no {KERNEL_FILE}")
+        return triton_availability()
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """bf16 queries or a bf16 cache under the interpreter (F1); one 16-bit query head
+        per KV head (F29); sliding windows and fp8 queries (no such parameter); e4m3fnuz on
+        NVIDIA GPUs."""
+        if device.type == "cpu" and "bfloat16" in (case.query_dtype, case.kv_dtype):
+            return INTERPRETER_BF16_FINDING  # P @ V is a dot in V's dtype
+        if case.num_q_heads == case.num_kv_heads and case.query_dtype != "float32":
+            return MHA_PRODUCTS
+        if case.sliding_window:
+            return "decode_attention_fwd has no sliding window"
+        if case.q_scale:
+            return "decode_attention_fwd has no query descale (fp8 queries)"
+        if case.is_fp8 and "k_scale" not in inspect.signature(
+                self._load().decode_attention_fwd).parameters:
+            version = self.release.version if self.release else vllm_version()
+            return f"vLLM {version}'s decode_attention_fwd has no k_scale/v_scale (fp8 caches)"
+        if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
+                devices.gpu_vendor() == "nvidia"):
+            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        return None
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """q @ K in the query dtype (K cast to it), P rounded to V's dtype (the query dtype
+        for fp8 V, dequantised to it), the output in the query dtype; fp32 dots tf32 on
+        GPUs."""
+        q = case.query_dtype
+        work = "tfloat32" if q == "float32" and device.type == "cuda" else q
+        probabilities = work if case.is_fp8 else case.kv_dtype
+        if probabilities == "float32" and device.type == "cuda":
+            probabilities = "tfloat32"
+        return Precision(work, probabilities, q)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """Stage 2 writes ``0 / 0`` (NaN) on a row of context 0."""
+        return EmptyRowOutput.UNDEFINED
+
+    def versions(self) -> dict[str, str]:
+        """vLLM and Triton versions."""
+        import triton
+
+        versions = {"vllm": vllm_version(), "triton": triton.__version__,
+                    "triton_interpret": str(devices.interpreted())}
+        if self.release is not None:
+            versions.update(vllm=self.release.version, vllm_path=str(self.release.package))
+        return versions
+
+    def _load(self) -> Any:
+        if self._module is None:
+            if self.release is None:
+                self._module = import_vllm_kernel(MODULE)
+            else:
+                path = self.release.find(KERNEL_FILE)
+                if path is None:
+                    raise RuntimeError(f"vLLM {self.release.version} has no {KERNEL_FILE}")
+                self._module = import_vllm_kernel(MODULE, lambda: self.release.load(path))
+        return self._module
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """One ``decode_attention_fwd`` call over all query rows."""
+        decode_attention_fwd = self._load().decode_attention_fwd
+        case = inputs.case
+        views = inputs.cache("plain")
+        table, ctx = inputs.sparse_table
+        out = inputs.output(torch_dtype(case.query_dtype))
+        splits = case.split_k_segments or DEFAULT_SPLITS
+        heads = (case.total_q, case.num_q_heads)
+        f32 = dict(dtype=torch.float32, device=inputs.device)
+        arguments: dict[str, Any] = dict(
+            q=inputs.data.query, k_buffer=views.k, v_buffer=views.v, o=out,
+            lse=torch.empty(heads, **f32), req_to_token=table, b_seq_len=ctx,
+            attn_logits=torch.empty((*heads, splits, case.head_dim + 1), **f32),
+            num_kv_splits=splits, sm_scale=case.softmax_scale, page_size=case.page_size,
+            logit_cap=case.softcap)
+        if case.is_fp8:  # left out otherwise: 0.14.0's kernel has no scale parameters
+            arguments["k_scale"], arguments["v_scale"] = inputs.scales()
+        decode_attention_fwd(**arguments)
+        valid = torch.arange(table.shape[1], device=table.device)[None] < (
+            (ctx[:, None] + case.page_size - 1) // case.page_size)
+        inputs.state(kernel_call(decode_attention_fwd, arguments, labels={
+            "k_buffer": f"{case.kv_dtype} {case.kv_layout} {views.k.shape[0]} pages",
+            "v_buffer": f"{case.kv_dtype} {case.kv_layout} {views.v.shape[0]} pages",
+            "req_to_token": id_classes(table, views.v.shape[0] - 1, valid),
+            "b_seq_len": length_classes(ctx.tolist()),
+            "attn_logits": f"float32 scratch, {splits} splits",
+            "k_scale": scale_class(case.k_scale if case.is_fp8 else None),
+            "v_scale": scale_class(case.v_scale if case.is_fp8 else None),
+            "logit_cap": "0 (off)" if not case.softcap else "softcap",
+        }, fixed=FIXED, sizes={"head_dim": (case.head_dim, "q.shape[2], k_buffer.shape[3]"),
+                               "num_kv_heads": (case.num_kv_heads, "k_buffer.shape[2]")}))
+        return out

@@ -1,0 +1,265 @@
+"""``vllm-paged-decode``: vLLM's ``kernel_paged_attention_2d``, the ``ROCM_ATTN`` decode.
+
+``chunked_prefill_paged_decode`` (``vllm/v1/attention/ops/chunked_prefill_paged_decode.py``)
+is what vLLM's ``ROCM_ATTN`` backend calls. For decode rows (``max_query_len == 1``) it runs
+no prefill kernel (``context_attention_fwd`` runs only for ``max_query_len > 1``), asks
+``use_rocm_custom_paged_attention`` whether the HIP ``paged_attention_rocm`` takes the shape,
+and otherwise launches the Triton ``kernel_paged_attention_2d``. This backend launches that
+Triton kernel itself with the arguments the wrapper's Triton branch computes (vLLM 0.33.0),
+because the wrapper imports ``vllm.platforms.rocm`` inside the call, which needs a GPU build
+of torch: so the same kernel runs on every machine, and the HIP kernel is not tested here.
+
+The cache is AITER's shuffled LBHNC/LHBNC cache, as the ``ROCM_ATTN`` backend reads it when
+AITER's fused writer emits the shuffled layout (``set_interleaved_v_cache``): K is the 5-D
+page view ``[pages, nkv, D/x, 16, x]``, V the same bytes as vLLM's 4-D view
+``[pages, nkv, D, 16]`` read through ``INTERLEAVED_V_PACK_FACTOR = 16 // itemsize``; K and V
+are the untrimmed views (2048 vs 2040 pages at 128 blocks), addressed by one page id. Each
+query row is its own sequence of one query token over the framework's page-16 sparse table.
+The case's sliding window ``W`` is the kernel's ``SLIDING_WINDOW``; the kernel has no
+softcap and no query descale. Native on a GPU; on the CPU under ``TRITON_INTERPRET=1``
+(bf16 queries excluded there: finding F1).
+
+``vllm-paged-decode[vllm=0.30.0]`` (or a path, or ``$DIFFTEST_VLLM``) runs that release's
+kernel file (:mod:`difftest.backends.vllm_release`). A release without the interleaved-V mode
+(0.31.0 and earlier) reads the plain cache instead, through strided views of the same shapes
+(K ``[pages, nkv, D/x, 16, x]``, V ``[pages, nkv, D, 16]``), which its kernel addresses by
+strides alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from difftest import devices
+from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backends.vllm_imports import (
+    import_vllm_kernel,
+    triton_availability,
+    triton_precision,
+    vllm_version,
+)
+from difftest.backends.vllm_release import chosen_release
+from difftest.case import Case
+from difftest.dtypes import torch_dtype
+from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.sparse_table import build_rows
+
+KERNEL_FILE = "v1/attention/ops/chunked_prefill_paged_decode.py"
+MODULE = "vllm.v1.attention.ops.chunked_prefill_paged_decode"
+MAX_TRITON_BLOCK_SIZE = 128  # the wrapper's cap on the Triton tile
+INTERPRETER_BF16_FINDING = (
+    "bfloat16 queries under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
+    "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
+    "bfloat16 runs on GPUs")
+M3 = "MiniMax-M3's decode"
+SHAPES = ("follows from the page-16 shapes the case model holds (head dim, KV heads, page "
+          "size; difftest/case.py validate)")
+FIXED = {
+    "sink_ptr": f"{M3} passes no attention sinks",
+    "alibi_slopes_ptr": f"{M3} has no ALiBi",
+    "out_scale_inv": f"{M3} writes a bf16/fp16 output, not fp8 (output_scale None -> 1.0)",
+    "USE_ALIBI_SLOPES": f"{M3} has no ALiBi",
+    "USE_SINKS": f"{M3} passes no attention sinks",
+    "USE_FP8": f"{M3} writes a bf16/fp16 output, not fp8",
+    "filter_by_query_len": "the wrapper always passes True (decode rows only; rows of longer "
+                           "sequences are the prefill kernel's)",
+    "query_start_len_ptr": "each query row is its own sequence of one query token over its "
+                           "sparse table (the decode rows of MTP too)",
+    "num_queries_per_kv_padded": "max(next_power_of_2(num_queries_per_kv), 16): 16 for every "
+                                 "GQA group of at most 16 heads; " + SHAPES,
+    "BLOCK_SIZE": "min(page size, 128): the page size; " + SHAPES,
+    "PHYSICAL_BLOCK_SIZE": "the page size (value_cache.shape[3]); " + SHAPES,
+    "HEAD_SIZE": SHAPES, "HEAD_SIZE_PADDED": SHAPES, "x": "16 // itemsize of the cache",
+    "INTERLEAVED_V_PACK_FACTOR": "16 // itemsize of the cache: the shuffled V is always "
+                                 "interleaved (releases without the mode read the plain "
+                                 "cache)",
+    "query_stride_1": SHAPES, "output_stride_1": SHAPES,
+    "stride_k_cache_0": SHAPES, "stride_k_cache_1": SHAPES, "stride_k_cache_2": SHAPES,
+    "stride_k_cache_3": SHAPES, "stride_k_cache_4": "the x innermost elements are contiguous",
+    "stride_v_cache_0": SHAPES, "stride_v_cache_1": SHAPES, "stride_v_cache_2": SHAPES,
+    "stride_v_cache_3": "1 in the interleaved-V mode (unused there), the token stride of the "
+                        "plain cache otherwise; " + SHAPES,
+    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+    "FP8_MIN": "a default of the kernel: the platform fp8 range",
+    "FP8_MAX": "a default of the kernel: the platform fp8 range",
+}
+
+
+class VllmPagedDecode:
+    """Adapter from a case to vLLM's Triton ``kernel_paged_attention_2d``."""
+
+    def __init__(self, vllm: str | None = None) -> None:
+        self.release, self.release_error = chosen_release(vllm)
+        self.name = f"vllm-paged-decode[vllm={vllm}]" if vllm else "vllm-paged-decode"
+        self._kernel: Callable[..., Any] | None = None
+
+    def with_options(self, options: Mapping[str, str]) -> VllmPagedDecode:
+        """``vllm=<version or path>``: the vLLM release whose kernel runs."""
+        unknown = sorted(set(options) - {"vllm"})
+        if unknown:
+            raise ValueError(f"vllm-paged-decode: unknown option {unknown[0]!r} "
+                             "(options: vllm)")
+        return VllmPagedDecode(options.get("vllm"))
+
+    def availability(self) -> Availability:
+        """Needs vLLM (the chosen release's kernel file) with the interleaved-V mode, and a
+        GPU or the Triton interpreter."""
+        if self.release_error:
+            return Availability(False, self.release_error)
+        if self.release is not None and self.release.find(KERNEL_FILE) is None:
+            return Availability(False, f"vLLM {self.release.version} has no {KERNEL_FILE}")
+        available = triton_availability()
+        if not available.available:
+            return available
+        try:
+            params = self._parameters()
+        except Exception as err:  # a release whose kernel file does not load here
+            return Availability(False, f"vLLM {self._version()}'s {KERNEL_FILE} does not "
+                                f"load: {type(err).__name__}: {err}")
+        if "stride_k_cache_4" not in params:
+            return Availability(False, f"vLLM {self._version()}'s kernel_paged_attention_2d "
+                                "has no 5-D K cache")
+        return available
+
+    @property
+    def in_page_orders(self) -> tuple[str, ...]:
+        """The shuffled cache where the release has the interleaved-V mode, else the plain
+        one through strided 5-D K and 4-D V views."""
+        return ("shuffled",) if self._interleaved() else ("plain",)
+
+    def _interleaved(self) -> bool:
+        return "INTERLEAVED_V_PACK_FACTOR" in self._parameters()
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """bf16 queries under the interpreter (F1); softcap and fp8 queries (no such
+        parameter); a 16/32-bit cache of another dtype than the query (``tl.dot`` of q and
+        K); e4m3fnuz on NVIDIA GPUs."""
+        if device.type == "cpu" and case.query_dtype == "bfloat16":
+            return INTERPRETER_BF16_FINDING
+        if case.softcap:
+            return "kernel_paged_attention_2d has no logit softcap"
+        if case.q_scale:
+            return "kernel_paged_attention_2d has no query descale (fp8 queries)"
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return (f"kernel_paged_attention_2d dequantises only fp8 K/V to the query dtype: "
+                    f"a {case.kv_dtype} cache needs {case.kv_dtype} queries (tl.dot)")
+        if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
+                devices.gpu_vendor() == "nvidia"):
+            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        return None
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        """K/V dequantised to the query dtype, P rounded to it; fp32 dots tf32 on GPUs."""
+        return triton_precision(case, device)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        """A row of context 0 runs no tile: ``0 / (0 + 1e-10)`` writes 0."""
+        return EmptyRowOutput.ZERO
+
+    def versions(self) -> dict[str, str]:
+        """vLLM and Triton versions, and what runs."""
+        import triton
+
+        versions = {"vllm": vllm_version(), "triton": triton.__version__,
+                    "triton_interpret": str(devices.interpreted()),
+                    "kernel": "kernel_paged_attention_2d (Triton), launched as "
+                              "chunked_prefill_paged_decode's Triton branch launches it"}
+        if self.release is not None:
+            versions.update(vllm=self.release.version, vllm_path=str(self.release.package))
+        return versions
+
+    def _version(self) -> str:
+        return self.release.version if self.release else vllm_version()
+
+    def _parameters(self) -> tuple[str, ...]:
+        return tuple(self._load().arg_names)
+
+    def _load(self) -> Any:
+        """The chosen release's ``kernel_paged_attention_2d`` (looked up once)."""
+        if self._kernel is None:
+            if self.release is None:
+                module = import_vllm_kernel(MODULE)
+            else:
+                path = self.release.find(KERNEL_FILE)
+                if path is None:
+                    raise RuntimeError(f"vLLM {self.release.version} has no {KERNEL_FILE}")
+                module = import_vllm_kernel(MODULE, lambda: self.release.load(path))
+            self._kernel = module.kernel_paged_attention_2d
+        return self._kernel
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """One launch over all query rows (grid: rows x KV heads)."""
+        import triton
+
+        kernel = self._load()
+        case = inputs.case
+        nkv, dim, page = case.num_kv_heads, case.head_dim, case.page_size
+        interleaved = self._interleaved()
+        views = inputs.cache(self.in_page_orders[0])
+        pages, x = views.v.shape[0], 16 // views.v.element_size()
+        if interleaved:  # K [pages, nkv, D/x, 16, x]; V as vLLM's 4-D view of its bytes
+            key, value = views.k, views.v.view(pages, nkv, dim, page)
+        else:  # the same shapes over the token-major pages, through strides
+            key = views.k.view(-1, page, nkv, dim // x, x).permute(0, 2, 3, 1, 4)
+            value = views.v.permute(0, 2, 3, 1)
+        table, ctx = inputs.sparse_table
+        query = inputs.data.query
+        out = inputs.output(torch_dtype(case.query_dtype))
+        k_scale, v_scale = inputs.scales()
+        group = case.num_q_heads // nkv
+        starts = devices.to_device(torch.arange(case.total_q + 1, dtype=torch.int32),
+                                   inputs.device)
+        arguments: dict[str, Any] = dict(
+            output_ptr=out, query_ptr=query, key_cache_ptr=key, value_cache_ptr=value,
+            sink_ptr=None, block_tables_ptr=table, seq_lens_ptr=ctx, alibi_slopes_ptr=None,
+            scale=case.softmax_scale, k_scale=k_scale, v_scale=v_scale, out_scale_inv=1.0,
+            num_query_heads=case.num_q_heads, num_queries_per_kv=group,
+            num_queries_per_kv_padded=max(triton.next_power_of_2(group), 16),
+            block_table_stride=table.stride(0),
+            query_stride_0=query.stride(0), query_stride_1=query.stride(1),
+            output_stride_0=out.stride(0), output_stride_1=out.stride(1),
+            BLOCK_SIZE=min(case.page_size, MAX_TRITON_BLOCK_SIZE),
+            PHYSICAL_BLOCK_SIZE=value.shape[3], HEAD_SIZE=case.head_dim,
+            HEAD_SIZE_PADDED=triton.next_power_of_2(case.head_dim),
+            USE_ALIBI_SLOPES=False, SLIDING_WINDOW=case.sliding_window, x=key.shape[4],
+            **{f"stride_k_cache_{i}": key.stride(i) for i in range(5)},
+            **{f"stride_v_cache_{i}": value.stride(i) for i in range(4)},
+            filter_by_query_len=True, query_start_len_ptr=starts, USE_SINKS=False,
+            USE_FP8=False,
+        )
+        if interleaved:
+            arguments["INTERLEAVED_V_PACK_FACTOR"] = x
+        kernel[(case.total_q, nkv)](**arguments)
+        valid = torch.arange(table.shape[1], device=table.device)[None] < (
+            (ctx[:, None] + case.page_size - 1) // case.page_size)
+        inputs.state(kernel_call(kernel, arguments, labels={
+            "block_tables_ptr": id_classes(table, pages - 1, valid),
+            "seq_lens_ptr": length_classes(ctx.tolist()),
+            "query_start_len_ptr": "one query per sequence",
+            "k_scale": scale_class(case.k_scale if case.is_fp8 else None),
+            "v_scale": scale_class(case.v_scale if case.is_fp8 else None),
+        }, fixed=FIXED, sizes={"num_kv_heads": (nkv, "key_cache.shape[1], grid[1]")}))
+        return out
+
+
+def loads_unread_slots_outside_the_window(case: Case, versions: Mapping[str, str]) -> bool:
+    """The trigger of finding F28: with ``canary`` (NaN in every slot no row reads) and a
+    sliding window, some row's tokens before its window (which the kernel loads and weights
+    by ``exp(-10000 - m) = 0``) include a slot no row reads. Not with an fp8 cache under
+    Triton's interpreter, which reads fp8 NaN bytes as finite values."""
+    if not (case.canary and case.sliding_window):
+        return False
+    if case.is_fp8 and versions.get("triton_interpret") == "True":
+        return False
+    read, outside = [], []
+    for row in build_rows(case):
+        ids = np.concatenate([seg.physical_block * case.block_size + np.arange(seg.tokens)
+                              for seg in row.segments] or [np.zeros(0, dtype=np.int64)])
+        cut = max(len(ids) - case.sliding_window, 0)
+        outside.append(ids[:cut])
+        read.append(ids[cut:])
+    return bool(np.isin(np.concatenate(outside), np.concatenate(read), invert=True).any())
