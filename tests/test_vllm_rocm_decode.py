@@ -15,7 +15,7 @@ from difftest.backends.vllm_paged_decode import (
     loads_unread_slots_outside_the_window,
 )
 from difftest.case import Case
-from difftest.expectations import Expectation, judge, load
+from difftest.expectations import judge, load
 from difftest.records import Status
 from difftest.runner import run_case
 
@@ -117,46 +117,25 @@ def test_f28_a_nan_before_the_sliding_window_makes_the_row_nan() -> None:
     assert bool(out.isnan().all()) and bool(expected.isfinite().all())
 
 
-def test_f28_is_an_expected_bug_of_its_condition_and_a_new_failure_elsewhere() -> None:
-    """The canary case of F28 disagrees and is judged a known bug; the same case without the
-    canary agrees (so the condition is false there), and an expectation whose condition
-    holds on an agreeing case is reported as a bug that did not show."""
+def test_f28_is_a_known_bug_of_the_expectations_file() -> None:
+    """The canary case of F28 disagrees (NaN) and the checkout's expectations file reports it
+    as known bug F28; the same case without the canary agrees; the trigger predicate the
+    history benchmark uses tells the two apart (and leaves out fp8 canaries when
+    interpreted, which the interpreter reads as finite)."""
     backend = VllmPagedDecode()
     _available(backend)
     case = BASE.replace(sliding_window=40, canary=True)
     interpreted = {"triton_interpret": "True"}
     assert loads_unread_slots_outside_the_window(case, interpreted)
     assert not loads_unread_slots_outside_the_window(case.replace(canary=False), interpreted)
-    fp8 = case.replace(kv_dtype="float8_e4m3fn")  # its NaN bytes read as finite when interpreted
+    fp8 = case.replace(kv_dtype="float8_e4m3fn")
     assert not loads_unread_slots_outside_the_window(fp8, interpreted)
     assert loads_unread_slots_outside_the_window(fp8, {"triton_interpret": "False"})
     records = [run_case(c, TorchReference(), [backend], CPU).record()
                for c in (case, case.replace(canary=False))]
     assert [r.results[0].status for r in records] == [Status.DISAGREE, Status.AGREE]
-    judgement = judge(records)
-    assert [e.finding for _, _, e in judgement.known] == ["F28"]
-    assert not judgement.failed and judgement.lines()[0].startswith("known bug F28:")
-    always = Expectation("F28", "vllm-paged-decode", "vllm", "0.0.0..99.0.0",
-                         "difftest.backends.vllm_paged_decode:"
-                         "loads_unread_slots_outside_the_window", "x")
-    assert judge(records, ()).new and judge(records, ()).failed  # without the entry: new
-    never = Expectation(**{**always.__dict__, "releases": "0.1.0..0.2.0"})
-    assert judge(records, (never,)).failed  # another release: a new failure
-    agreeing = [records[1]]
-    object.__setattr__(agreeing[0], "case", case.to_dict())  # the condition now holds
-    assert judge(agreeing, (always,)).no_longer and judge(agreeing, (always,)).failed
-
-
-def test_the_expectations_file_reads_and_its_conditions_resolve() -> None:
-    """Every entry loads, its condition is importable, and it covers its backend (options
-    included) at its first release only where the condition holds."""
-    trigger = BASE.replace(sliding_window=40, canary=True)
-    for expectation in load():
-        first = {expectation.package: expectation.releases.split("..")[0]}
-        assert expectation.covers(expectation.backend + "[vllm=x]", first, trigger)
-        assert not expectation.covers(expectation.backend, first, BASE)
-        assert not expectation.covers(expectation.backend, {expectation.package: "0.0.1"},
-                                      trigger)
+    judgement = judge(records, load())
+    assert list(judgement.known) == ["F28"] and not judgement.new and not judgement.failed
 
 
 def _release_kernel(version: str) -> object:
