@@ -163,7 +163,7 @@ class Capabilities:
                 mode_reasons = [backend.unsupported_reason(
                     probe_case(runs[0]).replace(**{mode: value}), device)
                     for mode, value in MODE_PROBE.items()] if runs else []
-                mode_reason = ("; ".join(r for r in mode_reasons if r)
+                mode_reason = ("; ".join(dict.fromkeys(r for r in mode_reasons if r))
                                if mode_reasons and all(mode_reasons) else None)
             except Exception as exc:  # a broken plug-in must not stop the run
                 skipped.append((backend.name, f"its support check raised {exc!r}; generation "
