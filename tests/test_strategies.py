@@ -17,17 +17,26 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, find, given, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
 
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
 from difftest.case import BLOCK_SIZE, Case
-from difftest.cases.covering import CLASSES, SCHEDULE, first_examples
+from difftest.cases.covering import (
+    CLASSES,
+    DENSE_CLASSES,
+    SCHEDULE,
+    CoverClass,
+    first_examples,
+)
+from difftest.cases.dense import dense_cases, dense_examples
 from difftest.cases.generate import BACKEND, generated_cases
 from difftest.cases.strategies import PAGE_IDS_PAST_2_16, cases, covering
 from difftest.runner import FAILING, Status, run_case
@@ -151,30 +160,44 @@ def test_boundary_bias() -> None:
     assert hits["large cache read past page 2**16"] >= 0.75 * hits["large cache"], share
 
 
-def covering_table(seeds: int = SEEDS, first: int = FIRST) -> dict[str, list[int | None]]:
-    """Per mode and boundary class, the index of its first example in each seed's first
-    ``first`` generated cases (``None``: not there)."""
-    table: dict[str, list[int | None]] = {c.name: [] for c in CLASSES}
-    for seed in range(seeds):
-        for name, index in first_examples(generated_cases(first, seed)).items():
+def covering_table(count: int, strategy: st.SearchStrategy[Case] | None = None,
+                   classes: Sequence[CoverClass] = CLASSES) -> dict[str, list[int | None]]:
+    """Per class, the index of its first example in the first ``count`` generated cases of
+    each of :data:`SEEDS` seeds (``None``: not there), printed as a table."""
+    table: dict[str, list[int | None]] = {c.name: [] for c in classes}
+    for seed in range(SEEDS):
+        for name, index in first_examples(generated_cases(count, seed, strategy),
+                                          classes).items():
             table[name].append(index)
+    print(f"\nfirst example of each class in the first {count} cases of seeds 0-{SEEDS - 1}")
+    print(f"{'class':<60} {'seeds':>5} {'latest':>6}  first example per seed")
+    for name, found in table.items():
+        seen = [i for i in found if i is not None]
+        print(f"{name:<60} {len(seen):>5} {max(seen, default='-')!s:>6}  "
+              f"{' '.join('-' if i is None else str(i) for i in found)}")
     return table
 
 
+def _missing(table: dict[str, list[int | None]]) -> dict[str, list[int]]:
+    return {name: [s for s, i in enumerate(found) if i is None]
+            for name, found in table.items() if None in found}
+
+
 def test_every_mode_and_boundary_class_is_in_the_first_30_examples_of_every_seed() -> None:
-    table = covering_table()
-    print(f"\nfirst example of each class in the first {FIRST} cases of seeds 0-{SEEDS - 1}")
-    print(f"{'class':<46} {'seeds':>5} {'latest':>6}  first example per seed")
-    for name, found in table.items():
-        seen = [i for i in found if i is not None]
-        print(f"{name:<46} {len(seen):>5} {max(seen, default='-')!s:>6}  "
-              f"{' '.join('-' if i is None else str(i) for i in found)}")
-    missing = {name: [s for s, i in enumerate(found) if i is None]
-               for name, found in table.items() if None in found}
+    missing = _missing(covering_table(FIRST))
     assert not missing, f"classes missing in the first {FIRST} examples of seeds: {missing}"
     free = Counter(c.topk for seed in range(3) for c in generated_cases(FIRST, seed)[
         len(SCHEDULE):])
     assert len(free) > 1, free  # after the schedule, free draws
+
+
+def test_the_dense_family_takes_every_geometry_in_its_first_examples() -> None:
+    """``difftest run --examples 30`` draws 6 dense examples: over 20 seeds they hold every
+    block size, head size and layout of the dense family, 8 KV heads, 16 query heads per KV
+    head, and six kernel modes."""
+    count = dense_examples(FIRST)
+    missing = _missing(covering_table(count, dense_cases(), DENSE_CLASSES))
+    assert not missing, f"classes missing in the first {count} dense examples: {missing}"
 
 
 def test_a_decision_the_limits_rule_out_is_drawn() -> None:
