@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from difftest.case import BLOCK_SIZE, Case
+from difftest.case import BLOCK_SIZE, HEAD_DIMS, MAX_KV_HEADS, Case
+from difftest.cases.dense import BLOCK_SIZES
 from difftest.cases.modes import MODEL_SOFTCAPS, window_edges
 from difftest.cases.strategies import PAGE_IDS_PAST_2_16, Cover
 from difftest.sparse_table import (
@@ -28,17 +29,25 @@ from difftest.sparse_table import (
 MAX_3D_QUERY_LEN = 8  # vLLM's bound on the query tokens of a sequence for the 3-D kernel
 SATURATING_SCALE = 1e-3  # fp8 scales this small store values at the fp8 maximum
 
+# The dense family (difftest.cases.dense, one example per five sparse ones) reads the keys
+# it has: its first five examples take every block size and head size, the first three
+# every layout, and the kernel modes of the first six.
 SCHEDULE: tuple[Cover, ...] = (
     {"modes": ("softcap",), "softcap": "overflow", "favour_last": True, "selection": "indexer",
-     "tail": BLOCK_SIZE, "topk": 16},
+     "tail": BLOCK_SIZE, "topk": 16,
+     "dense_layout": "split", "block_size": 48, "head_dim": 80, "kv_heads": 8, "gqa": 2},
     # 16-bit KV: Triton's interpreter reads fp8 NaN bytes as finite values, so on the CPU
     # canaries in an fp8 cache are invisible
     {"modes": ("sliding_window", "canary"), "window": "inside", "tail": BLOCK_SIZE - 1,
-     "selection": "tail-only", "kv_dtypes": ("float16", "bfloat16")},
+     "selection": "tail-only", "kv_dtypes": ("float16", "bfloat16"), "several_blocks": True,
+     "dense_layout": "LHBNC", "block_size": 16, "head_dim": 256, "kv_heads": 1, "gqa": 16},
     {"modes": ("q_scale",), "q_scale": SATURATING_SCALE,
-     "fp8_scales": (SATURATING_SCALE, 100.0), "block_zero": True, "decode_query_len": 2},
-    {"modes": ("split_k_segments",), "threshold": "at", "long": True},
-    {"modes": ("query_lens",), "query_len": MAX_3D_QUERY_LEN + 1, "softmax_scale": 1.0},
+     "fp8_scales": (SATURATING_SCALE, 100.0), "block_zero": True, "decode_query_len": 2,
+     "dense_layout": "LBHNC", "block_size": 128, "head_dim": 96},
+    {"modes": ("split_k_segments",), "threshold": "at", "long": True,
+     "block_size": 32, "head_dim": 64},
+    {"modes": ("query_lens",), "query_len": MAX_3D_QUERY_LEN + 1, "softmax_scale": 1.0,
+     "block_size": 64, "head_dim": 128},
     {"modes": ("canary",), "tail": 1, "selection": "empty-rows"},
     {"modes": (), "large_cache": True, "selection": "indexer"},
     {"modes": ("softcap",), "softcap": "model", "selection": "irregular", "topk": 16,
@@ -46,6 +55,13 @@ SCHEDULE: tuple[Cover, ...] = (
     {"modes": ("split_k_segments",), "threshold": "below", "tail": 1, "padded": True},
     {"modes": ("query_lens",), "query_len": 17, "topk": 4},
 )
+
+
+# the kernel-mode classes the dense family's first six examples hold
+DENSE_MODES = ("softcap overflowing float32 (<= 0.01)",
+               "sliding window at a boundary inside the context, canaries",
+               "canaries without a window", "fp8 queries",
+               "prefill-like rows past the 3-D bound (> 8)", "split-K, 3-D kernel")
 
 
 @dataclass(frozen=True)
@@ -115,7 +131,23 @@ CLASSES: tuple[CoverClass, ...] = (
 )
 
 
-def first_examples(cases: Sequence[Case]) -> dict[str, int | None]:
-    """Per class of :data:`CLASSES`, the index of the first case in it (``None``: none)."""
+DENSE_CLASSES: tuple[CoverClass, ...] = (
+    *(CoverClass(f"dense: {size}-token blocks", lambda c, size=size: c.block_size == size)
+      for size in BLOCK_SIZES),
+    *(CoverClass(f"dense: head size {size}", lambda c, size=size: c.head_dim == size)
+      for size in HEAD_DIMS),
+    CoverClass("dense: vLLM's split K/V cache", lambda c: c.kv_layout == "split"),
+    CoverClass("dense: LHBNC planes", lambda c: c.kv_layout == "LHBNC"),
+    CoverClass("dense: LBHNC of 16-token pages", lambda c: c.kv_layout == "LBHNC"),
+    CoverClass("dense: 8 KV heads", lambda c: c.num_kv_heads == MAX_KV_HEADS),
+    CoverClass("dense: 16 query heads per KV head",
+               lambda c: c.num_q_heads == 16 * c.num_kv_heads),
+    *(cls for cls in CLASSES[:10] if cls.name in DENSE_MODES),
+)
+
+
+def first_examples(cases: Sequence[Case], classes: Sequence[CoverClass] = CLASSES
+                   ) -> dict[str, int | None]:
+    """Per class of ``classes``, the index of the first case in it (``None``: none)."""
     return {cls.name: next((i for i, case in enumerate(cases) if cls.holds(case)), None)
-            for cls in CLASSES}
+            for cls in classes}

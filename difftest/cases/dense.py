@@ -23,7 +23,14 @@ from hypothesis import strategies as st
 
 from difftest.case import DISTRIBUTIONS, HEAD_DIMS, MAX_KV_HEADS, MAX_Q_HEADS, Case, cdiv
 from difftest.cases.modes import mode_flags, mode_plans, query_lengths
-from difftest.cases.strategies import KERNEL_MODES_ONE_IN, fp8_scales, picks
+from difftest.cases.strategies import (
+    KERNEL_MODES_ONE_IN,
+    Cover,
+    current_cover,
+    forced,
+    fp8_scales,
+    picks,
+)
 from difftest.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
 BLOCK_SIZES = (16, 32, 64, 128, 48)  # the powers of two first: a shrink returns to 16
@@ -51,13 +58,21 @@ def dtype_pairs(query_dtypes: Sequence[str] = QUERY_DTYPES,
 
 
 @st.composite
-def geometries(draw: st.DrawFn, min_kv_heads: int = 1) -> dict[str, int | str]:
-    """A cache geometry: layout, block and page sizes, head size, KV and query heads."""
-    layout = draw(st.sampled_from(DENSE_LAYOUTS))
-    block = draw(st.sampled_from(BLOCK_SIZES))
-    head_dim = draw(st.sampled_from(HEAD_DIMS))
-    kv_heads = draw(st.integers(min_kv_heads, MAX_KV_HEADS))
-    group = draw(st.integers(1, min(MAX_GQA, MAX_Q_HEADS // kv_heads)))
+def geometries(draw: st.DrawFn, min_kv_heads: int = 1,
+               cover: Cover | None = None) -> dict[str, int | str]:
+    """A cache geometry: layout, block and page sizes, head size, KV and query heads;
+    ``cover`` (:func:`~difftest.cases.strategies.covering`) may fix each of them."""
+    cover = cover or {}
+    layout = forced(cover, "dense_layout", draw(st.sampled_from(DENSE_LAYOUTS)),
+                    lambda v: v in DENSE_LAYOUTS)
+    block = forced(cover, "block_size", draw(st.sampled_from(BLOCK_SIZES)),
+                   lambda v: v in BLOCK_SIZES)
+    head_dim = forced(cover, "head_dim", draw(st.sampled_from(HEAD_DIMS)),
+                      lambda v: v in HEAD_DIMS)
+    kv_heads = forced(cover, "kv_heads", draw(st.integers(min_kv_heads, MAX_KV_HEADS)),
+                      lambda v: min_kv_heads <= v <= MAX_KV_HEADS)
+    most = min(MAX_GQA, MAX_Q_HEADS // kv_heads)
+    group = forced(cover, "gqa", draw(st.integers(1, most)), lambda v: 1 <= v <= most)
     return {"kv_layout": layout, "block_size": block,
             "page_size": 16 if layout == "LBHNC" else block, "head_dim": head_dim,
             "num_kv_heads": kv_heads, "num_q_heads": kv_heads * group}
@@ -91,11 +106,18 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
     allowed = list(pairs) if pairs is not None else list(dtype_pairs())
     if not allowed:
         raise ValueError("dense_cases: no (query_dtype, kv_dtype) pair is allowed")
+    cover = current_cover()  # the covering schedule's decisions (difftest.cases.covering)
+    modes_forced = kernel_modes and "modes" in cover
     flags = draw(mode_flags(kernel_modes))
-    plan = draw(mode_plans(flags)) if flags % KERNEL_MODES_ONE_IN == 1 else None
+    plan = (draw(mode_plans(flags, cover)) if modes_forced or flags % KERNEL_MODES_ONE_IN == 1
+            else None)
     # a huge cache of the smallest blocks needs two KV heads to stay within MAX_NUM_BLOCKS
-    geometry = draw(geometries(min_kv_heads=2 if huge else 1))
-    query_dtype, kv_dtype = draw(st.sampled_from(allowed))
+    geometry = draw(geometries(min_kv_heads=2 if huge else 1, cover=cover))
+    kv_dtypes = cover.get("kv_dtypes", ())
+    if "fp8_scales" in cover or (modes_forced and "q_scale" in cover["modes"]):
+        kv_dtypes = FP8_DTYPES
+    query_dtype, kv_dtype = draw(st.sampled_from(
+        [pair for pair in allowed if pair[1] in kv_dtypes] or allowed))
     block = int(geometry["block_size"])
     prefill = plan is not None and plan.prefill
     dql = 1 if prefill else draw(st.integers(1, 4))
@@ -103,10 +125,13 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
     requests = []
     for r in range(draw(st.integers(1, MAX_BATCH))):
         padded = r > 0 and draw(st.integers(0, 3)) == 3
-        full = draw(st.integers(0, most_blocks - 1))
+        least = 1 if r == 0 and cover.get("several_blocks") and most_blocks > 1 else 0
+        full = draw(st.integers(least, most_blocks - 1))
         tail = draw(st.one_of(st.just(block), st.just(1), st.integers(1, block)))
-        query_len = (min(draw(query_lengths()), MAX_PREFILL_QUERY, full * block + tail)
-                     if prefill else dql)
+        wanted = draw(query_lengths()) if prefill else dql
+        if prefill and r == 0:
+            wanted = forced(cover, "query_len", wanted)
+        query_len = min(wanted, MAX_PREFILL_QUERY, full * block + tail) if prefill else dql
         seq_len = 0 if padded else max(full * block + tail, query_len)
         requests.append((seq_len, query_len))
     needed = [cdiv(s, block) for s, _ in requests]

@@ -88,6 +88,7 @@ COVER_KEYS = {
     "favour_last": "True: the last physical block heads the first request's table",
     "tail": "the tokens in the first request's last block",
     "long": "True: the first request longer than top-k 16 x 128 tokens",
+    "several_blocks": "True: the first request longer than one block",
     "decode_query_len": "query tokens per decode request (2-4)",
     "topk": "the top-k",
     "selection": "the selection mode (one of SELECTION_MODES)",
@@ -96,10 +97,20 @@ COVER_KEYS = {
     "fp8_scales": "(k_scale, v_scale) of an fp8 cache (the KV dtype is then fp8)",
     "padded": "True: the second request is padded",
     "block_zero": "True: block 0 sits in some table",
+    "dense_layout": "the dense family's cache layout (difftest.cases.dense.DENSE_LAYOUTS)",
+    "block_size": "the dense family's block size",
+    "head_dim": "the dense family's head size",
+    "kv_heads": "the dense family's KV heads",
+    "gqa": "the dense family's query heads per KV head",
 }
 
 
-def _forced(cover: Cover, key: str, drawn: Any,
+def current_cover() -> Cover:
+    """The decisions of the innermost :func:`covering` (empty outside any)."""
+    return _COVER.get()
+
+
+def forced(cover: Cover, key: str, drawn: Any,
             allowed: Callable[[Any], bool] = lambda _: True) -> Any:
     """``cover[key]`` if it is set and ``allowed``, else the ``drawn`` value."""
     value = cover.get(key)
@@ -167,8 +178,9 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     :data:`PREFILL_FULL_BLOCKS` full blocks, and every row selects its causal blocks in
     order (the rows then share one causal sequence).
 
-    ``cover`` (:func:`covering`) fixes the first request's query length, tail and length
-    beyond top-k 16 x 128 tokens, an empty first row, and the second request's padding.
+    ``cover`` (:func:`covering`) fixes the first request's query length, tail, a length
+    past one block or past top-k 16 x 128 tokens, an empty first row, and the second
+    request's padding.
     """
     cover = cover or {}
     r = free.requests
@@ -183,8 +195,8 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     # attend up to the whole request, so a long one costs the interpreter minutes
     most = min(share - 1, MAX_FULL_BLOCKS,
                min(topk - 1, PREFILL_FULL_BLOCKS) if prefill and query_len > 1 else budget)
-    long = r == 0 and bool(cover.get("long")) and most >= 16
-    full = draw(st.integers(16 if long else 0, max(most, 0)))
+    least = 16 if cover.get("long") else 1 if cover.get("several_blocks") else 0
+    full = draw(st.integers(least if r == 0 and most >= least else 0, max(most, 0)))
     tail = draw(tails())
     if r == 0 and cover.get("tail") is not None:
         tail = int(cover["tail"])
@@ -310,7 +322,7 @@ def cases(
 @st.composite
 def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple[str, ...],
           max_batch: int, max_topk: int, max_blocks: int, kernel_modes: bool) -> Case:
-    cover = _COVER.get()
+    cover = current_cover()
     modes_forced = kernel_modes and "modes" in cover
     # every on/off decision of the modes comes from one integer drawn first (see
     # modes.mode_plans); it shrinks to 0: modes off
@@ -333,11 +345,11 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         n = max(n, 128)
     prefill = plan is not None and plan.prefill
     dql = 1 if prefill else draw(st.integers(1, 4))
-    dql = _forced(cover, "decode_query_len", dql, lambda v: not prefill)
+    dql = forced(cover, "decode_query_len", dql, lambda v: not prefill)
     topk = draw(st.sampled_from([t for t in TOPKS if t <= max_topk]))
-    topk = _forced(cover, "topk", topk, lambda v: v in TOPKS and v <= max_topk)
+    topk = forced(cover, "topk", topk, lambda v: v in TOPKS and v <= max_topk)
     mode = draw(st.sampled_from(selection_modes))
-    mode = _forced(cover, "selection", mode, lambda v: v in selection_modes)
+    mode = forced(cover, "selection", mode, lambda v: v in selection_modes)
     # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended:
     # the last block goes where every row looks, logical block 0 of the first request (the
     # indexer's forced init block, full whenever the request is longer than one block); a
@@ -373,7 +385,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         kv_dtype=kv_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
-        softmax_scale=_forced(cover, "softmax_scale", softmax_scale),
+        softmax_scale=forced(cover, "softmax_scale", softmax_scale),
         kv_layout=layout,
         distribution=draw(st.sampled_from(DISTRIBUTIONS)),
         seed=draw(st.integers(0, 2**32 - 1)),
