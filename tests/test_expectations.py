@@ -4,6 +4,10 @@ and an expected bug that no longer shows fails the run (difftest/expectations.py
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +112,33 @@ def test_conditions_read_the_derived_context_length(tmp_path: Path) -> None:
     known = expectations.load(write(tmp_path, entry))[0]
     assert known.triggered_by({"selections": [[0, 1, 2, 3, 4]], "block_size": 128})
     assert not known.triggered_by({"selections": [[0, 1, 2, 3]], "block_size": 128})
+
+
+KNOWN_NAN = {"finding": "F97", "summary": "nan-out writes NaN", "backends": ["nan-out"],
+             "releases": "torch >=0", "when": {}, "nonfinite": True}
+TINY_TEST = '''
+from difftest.case import Case
+
+
+def test_tiny(check_case):
+    check_case(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),
+                    selections=((0, 1),)))
+'''
+
+
+def test_a_known_bug_fails_no_pytest_test(tmp_path: Path) -> None:
+    """Under pytest a disagreement an expectation explains is logged, not a test failure."""
+    shutil.copy(Path(__file__).parent / "fake_backends.py", tmp_path / "fakes.py")
+    (tmp_path / "test_tiny.py").write_text(TINY_TEST)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "--difftest-plugin", "fakes.py:NAN_BACKENDS", "--difftest-backends", "nan-out",
+               "test_tiny.py"]
+    known = write(tmp_path, KNOWN_NAN)
+    passed = subprocess.run(command, cwd=tmp_path, env=env | {"DIFFTEST_EXPECTATIONS": str(known)},
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert passed.returncode == 0, passed.stdout + passed.stderr
+    failed = subprocess.run(command, cwd=tmp_path,
+                            env=env | {"DIFFTEST_EXPECTATIONS": str(tmp_path / "none.json")},
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert failed.returncode == 1 and "nan-out" in failed.stdout, failed.stdout
