@@ -57,10 +57,11 @@ def test_pooled_buffers_count_as_available(monkeypatch) -> None:
 
 
 def huge() -> Case:
-    """4 TiB of cache: vLLM's split layout at its largest geometry, one block attended."""
+    """1 TiB of cache (vLLM's split layout, 2**20 blocks of 512 tokens, 8 KV heads), one
+    block attended."""
     n = 1 << 20
     return Case(num_blocks=n, seq_lens=(512,), block_tables=((n - 1,),), selections=((0,),),
-                num_q_heads=8, num_kv_heads=8, head_dim=256, block_size=512, page_size=512,
+                num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=512, page_size=512,
                 kv_layout="split", dense=True)
 
 
@@ -78,7 +79,7 @@ def test_the_runner_refuses_the_case_for_every_backend_before_allocating() -> No
 
 
 def test_only_the_caches_some_backend_builds_are_counted() -> None:
-    """The reference reads no cache: with backends that build none, the 4 TiB cache is not
+    """The reference reads no cache: with backends that build none, the 1 TiB cache is not
     needed and the case runs (one block of data)."""
     result = run_case(huge(), TorchReference(), [Rounded()], CPU)
     assert [r.status for r in result.results] == [Status.AGREE]

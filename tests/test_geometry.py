@@ -280,10 +280,10 @@ def dense_strategy(difftest_session) -> st.SearchStrategy[Case]:
     return Capabilities.probe(session.backends, session.device).dense_strategy()
 
 
-@settings(max_examples=max(1, settings.default.max_examples // DENSE_SHARE))
+@settings(max_examples=max(1, settings.default.max_examples // (2 * DENSE_SHARE)))
 @given(data=st.data())
 def test_generated_dense_cases(data: st.DataObject, dense_strategy, check_example) -> None:
-    """One dense example per five of the profile's (``difftest run``'s share) on every
+    """One dense example per ten of the profile's (ci 2, dev 5, nightly 200) on every
     configured backend, each in the variant fitted to it; a failure fails the test."""
     check_example(data.draw(dense_strategy, label="case"))
 
