@@ -136,15 +136,16 @@ def test_a_bad_source_is_an_error_naming_where_it_looked(tmp_path: Path, monkeyp
 
 
 @on_cpu
-def test_shuffled_views_agree_on_a_tree_that_has_them() -> None:
-    tree = tree_from("v0.1.16")
-    backend = AiterUnified(shuffled=True, options={"aiter": "v0.1.16"})
+@pytest.mark.parametrize(("tag", "name"), [
+    ("v0.1.16", "lbhnc-128-blocks-2048-2040-page-2039"),  # K [2048,1,8,16,16], V [2040,...]
+    ("v0.1.20.post1", "lbhnc-4200-blocks-page-ids-past-65536"),
+])
+def test_shuffled_views_agree_on_a_tree_that_has_them(tag: str, name: str) -> None:
+    tree = tree_from(tag)
+    backend = AiterUnified(shuffled=True, options={"aiter": tag})
     assert backend.availability().available, backend.availability().reason
-    for case in (CORPUS["lbhnc-128-blocks-2048-2040-page-2039"],  # [2048,1,8,16,16] / [2040,...]
-                 CORPUS["lbhnc-512-blocks-8192-8184-mtp4"]):
-        result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
-        assert result.results[0].status is Status.AGREE, (tree.version, case.name,
-                                                          result.results[0].detail)
+    result = run_case(CORPUS[name], TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.AGREE, (tree.version, result.results[0].detail)
 
 
 def direct_call(source: Any, softcap: float = 0.0, window: int = 0,
