@@ -149,7 +149,7 @@ def test_releases_before_kv_quant_mode_refuse_mixed_dtypes() -> None:
 def test_the_default_strategy_reaches_each_historical_bug_within_50_examples(
         bug, device_name) -> None:
     """The 50 cases ``difftest run --backends triton-unified[vllm=<buggy>] --examples 50``
-    draws (in this process: F11) hold a case that only this bug explains; the buggy release
+    draws hold a case that only this bug explains; the buggy release
     disagrees on the first one, the fixed release and the venv's vLLM agree."""
     device = torch.device(device_name)
     buggy, fixed = _release(bug.buggy), _release(bug.fixed)
