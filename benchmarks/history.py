@@ -39,9 +39,9 @@ bug; any other is a false positive, and there must be none. Disagreements are no
 (``run_case(..., diagnose=False)``): the report has no use for it, and on the CPU it took a
 third of the time (docs/history.md).
 
-Cases drawn in this process may differ from a ``difftest run`` process's with the same seed
-(docs/findings.md F11: Hypothesis draws constants of the imported local modules). Measured
-numbers and the profile are in docs/history.md.
+Cases drawn in this process are the ones a ``difftest run`` process draws with the same seed,
+whatever either imported (docs/findings.md F11). Measured numbers and the profile are in
+docs/history.md.
 """
 
 from __future__ import annotations

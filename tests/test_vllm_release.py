@@ -163,9 +163,9 @@ def _bug_release(backend: str, version: str) -> object:
 def test_the_default_strategy_reaches_each_historical_bug_within_50_examples(
         bug, device_name) -> None:
     """The 50 cases ``difftest run --backends <backend>[vllm=<buggy>] --examples 50`` draws
-    (in this process: F11) hold a case that only this bug explains; the buggy release
-    disagrees on the first one, the fixed release agrees, and so does the venv's vLLM unless
-    a known bug of its own explains the case."""
+    hold a case that only this bug explains; the buggy release disagrees on the first one,
+    the fixed release agrees, and so does the venv's vLLM unless a known bug of its own
+    explains the case."""
     device = torch.device(device_name)
     buggy = _bug_release(bug.backend, bug.buggy)
     fixed = _bug_release(bug.backend, bug.fixed)
@@ -175,8 +175,8 @@ def test_the_default_strategy_reaches_each_historical_bug_within_50_examples(
     runnable = [c for c in drawn if bug.name in known_bugs(release, c)
                 and buggy.unsupported_reason(c, device) is None]
     assert runnable, f"no case of the 50 needs {bug.name}"
-    # a case of this bug alone where there is one (F11: this process draws other cases than
-    # the benchmark's); else one a still-present bug of the fixed release explains there too
+    # a case of this bug alone where there is one; else one a still-present bug of the fixed
+    # release explains there too
     first = next((c for c in runnable if known_bugs(release, c) == [bug.name]), runnable[0])
     result = run_case(first, TorchReference(), [buggy, fixed, control], device)
     statuses = [r.status for r in result.results]

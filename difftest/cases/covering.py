@@ -36,10 +36,11 @@ SCHEDULE: tuple[Cover, ...] = (
     {"modes": ("softcap",), "softcap": "overflow", "favour_last": True, "selection": "indexer",
      "tail": BLOCK_SIZE, "topk": 16,
      "dense_layout": "split", "block_size": 48, "head_dim": 80, "kv_heads": 8, "gqa": 2},
-    # 16-bit KV: Triton's interpreter reads fp8 NaN bytes as finite values, so on the CPU
-    # canaries in an fp8 cache are invisible
+    # one row per request, over its own block: slots before its window are read by no row, so
+    # they hold canaries; 16-bit KV: Triton's interpreter reads fp8 NaN bytes as finite values
     {"modes": ("sliding_window", "canary"), "window": "inside", "tail": BLOCK_SIZE - 1,
      "selection": "tail-only", "kv_dtypes": ("float16", "bfloat16"), "several_blocks": True,
+     "decode_query_len": 1,
      "dense_layout": "LHBNC", "block_size": 16, "head_dim": 256, "kv_heads": 1, "gqa": 16},
     {"modes": ("q_scale",), "q_scale": SATURATING_SCALE,
      "fp8_scales": (SATURATING_SCALE, 100.0), "block_zero": True, "decode_query_len": 2,

@@ -89,7 +89,7 @@ COVER_KEYS = {
     "tail": "the tokens in the first request's last block",
     "long": "True: the first request longer than top-k 16 x 128 tokens",
     "several_blocks": "True: the first request longer than one block",
-    "decode_query_len": "query tokens per decode request (2-4)",
+    "decode_query_len": "query tokens per decode request (1-4)",
     "topk": "the top-k",
     "selection": "the selection mode (one of SELECTION_MODES)",
     "softmax_scale": "the softmax scale",
