@@ -215,7 +215,7 @@ def test_f21_f22_f24_are_still_in_the_newest_tag() -> None:
     assert direct_call(tree, context=15).isnan().all()
 
 
-def direct_3d_call(source: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def direct_3d_call(source: Any, head_dim: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """AITER's ``unified_attention`` on fp16 K/V with ``max_seqlen_k`` 640 (> 512: the 3-D
     kernel), one query row over 40 pages, called directly: the output row and float64
     attention of the same inputs."""
@@ -223,19 +223,19 @@ def direct_3d_call(source: Any) -> tuple[torch.Tensor, torch.Tensor]:
     path = source.find("ops/triton/attention/unified_attention.py")
     unified_attention = source.load(path, answers).unified_attention
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, 64, generator=generator).half()
-    k = torch.randn(40, 16, 1, 64, generator=generator).half()
-    v = torch.randn(40, 16, 1, 64, generator=generator).half()
-    out = torch.zeros(1, 1, 64, dtype=torch.float16)
+    q = torch.randn(1, 1, head_dim, generator=generator).half()
+    k = torch.randn(40, 16, 1, head_dim, generator=generator).half()
+    v = torch.randn(40, 16, 1, head_dim, generator=generator).half()
+    out = torch.zeros(1, 1, head_dim, dtype=torch.float16)
     with answering(answers):
         unified_attention(
             q=q, k=k, v=v, out=out, cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32),
             max_seqlen_q=1, seqused_k=torch.tensor([640], dtype=torch.int32), max_seqlen_k=640,
-            softmax_scale=0.125, causal=True, window_size=(-1, -1),
+            softmax_scale=head_dim**-0.5, causal=True, window_size=(-1, -1),
             block_table=torch.arange(40, dtype=torch.int32)[None], softcap=0.0,
             q_descale=None, k_descale=None, v_descale=None)
     keys, values = k.double().flatten(0, 2), v.double().flatten(0, 2)
-    expected = torch.softmax(q[0].double() @ keys.T * 0.125, dim=-1) @ values
+    expected = torch.softmax(q[0].double() @ keys.T * head_dim**-0.5, dim=-1) @ values
     return out[0, 0], expected[0]
 
 
@@ -361,3 +361,16 @@ def test_f26_shuffled_views_of_48_token_pages_fail_to_launch() -> None:
     assert direct_block_48(tree).isfinite().all()  # the plain views of the same pages run
     with pytest.raises(Exception, match="arange's range must be a power of 2"):
         direct_block_48(tree, shuffled=True)
+
+
+@on_cpu
+def test_f30_the_3d_kernel_fails_on_a_head_size_of_80_before_v0_1_12() -> None:
+    """Head size 80 pads to 128 inside the kernels; before v0.1.12 the 3-D kernel's padded
+    path names ``offs_d`` before defining it. Head size 128 runs on the same release."""
+    old = tree_from("v0.1.11")
+    with pytest.raises(Exception, match="name 'offs_d' is not defined"):
+        direct_3d_call(old, head_dim=80)
+    actual, expected = direct_3d_call(old, head_dim=128)
+    torch.testing.assert_close(actual.double(), expected, atol=2e-3, rtol=0)
+    actual, expected = direct_3d_call(tree_from("v0.1.12"), head_dim=80)
+    torch.testing.assert_close(actual.double(), expected, atol=2e-3, rtol=0)
