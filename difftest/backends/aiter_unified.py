@@ -44,10 +44,13 @@ from difftest.backends.aiter_triton import (
 from difftest.backends.triton_unified import (
     INTERPRETER_BF16_FINDING,
     INTERPRETER_FP8_QUERY_FINDING,
+    M3,
+    MODE_OFF,
 )
 from difftest.backends.vllm_imports import triton_precision
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
+from difftest.kernel_call import KernelCall, id_classes, kernel_call, length_classes, scale_class
 from difftest.sparse_table import kernel_sequences
 
 KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
@@ -57,6 +60,21 @@ IMPL_FILES = ("ops/triton/_triton_kernels/attention/unified_attention.py",
 TYPES_FILES = ("ops/triton/utils/types.py",)
 CASTS_KV = "K = K_load.to(Q.dtype)"  # the kernels convert every K/V tile (v0.1.12 on)
 MAX_2D_SEQLEN_K = 512  # AITER: max_seqlen_k <= 512 always takes the 2-D kernel
+
+
+FIXED = {  # why a parameter of AITER's unified_attention does not vary (values still shown)
+    "causal": "the sparse table ends each row at its own token; over a query_lens sequence "
+              "it is the causal mask within the request",
+    "softcap": MODE_OFF, "window_size": MODE_OFF, "q_descale": MODE_OFF,
+    "max_seqlen_q": "1 per row; the query_lens mode passes a request as one sequence",
+    "alibi_slopes": f"{M3} has no ALiBi", "qq_bias": f"{M3} has no query-query bias",
+    "output_scale": f"{M3} writes a bf16/fp16 output, not fp8",
+    "sinks": "the case model has no attention sinks",
+    "q_scales": "per-block query scales are AITER's FP4 (A4W4) path",
+    "skip_reduce": "the 3-D kernel's reduction is part of the call under test",
+    "shuffled_kv_cache": "aiter-unified reads the plain views; aiter-unified@shuffled the "
+                         "pre-shuffled ones",
+}
 
 
 def case_arch(case: Case) -> str:
@@ -277,8 +295,33 @@ class AiterUnified:
                                f"{', '.join(missing)}")
         with answering(answers):
             result = unified_attention(**arguments)
+        inputs.state(self._statement(unified_attention, arguments, case, device))
         # Releases whose single-segment 3-D path writes `out` in place return it too.
         return out if result is None else result
+
+    def _statement(self, kernel: Callable[..., Any], arguments: dict[str, Any], case: Case,
+                   device: torch.device) -> KernelCall:
+        """The statement of the ``unified_attention`` call made with ``arguments``."""
+        table, ctx, views = arguments["block_table"], arguments["seqused_k"], arguments["v"]
+        valid = torch.arange(table.shape[1], device=table.device)[None] < (
+            (ctx[:, None] + case.page_size - 1) // case.page_size)
+        units = COMPUTE_UNITS[self._answers(case).arch] if device.type == "cpu" else (
+            torch.cuda.get_device_properties(device).multi_processor_count)
+        order = self.in_page_orders[0]
+        pages = f"{case.kv_dtype} {case.kv_layout} {order} {{}} pages"
+        return kernel_call(kernel, arguments, labels={
+            "k": pages.format(arguments["k"].shape[0]), "v": pages.format(views.shape[0]),
+            "cu_seqlens_q": "one sequence per row" if arguments["max_seqlen_q"] == 1
+            else "requests as causal sequences",
+            "seqused_k": length_classes(ctx.tolist()),
+            "max_seqlen_k": f"{arguments['max_seqlen_k']} ({kernel_path(case, units)} kernel)",
+            "block_table": id_classes(table, views.shape[0] - 1, valid),
+            "q_descale": scale_class(case.q_scale or None),
+            "k_descale": scale_class(case.k_scale if case.is_fp8 else None),
+            "v_descale": scale_class(case.v_scale if case.is_fp8 else None),
+        }, fixed=FIXED, sizes={"head_dim": (case.head_dim, "q.shape[2]"),
+                               "page_size": (case.page_size, "the views' page dimension"),
+                               "num_kv_heads": (case.num_kv_heads, "the views' head dimension")})
 
 
 def default_backends() -> list[AiterUnified]:
