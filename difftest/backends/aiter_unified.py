@@ -41,6 +41,7 @@ from difftest.backends.aiter_triton import (
     answering,
     chosen_source,
 )
+from difftest.backends.triton_unified import FIXED as UNIFIED_FIXED
 from difftest.backends.triton_unified import (
     INTERPRETER_BF16_FINDING,
     INTERPRETER_FP8_QUERY_FINDING,
@@ -48,6 +49,7 @@ from difftest.backends.triton_unified import (
 from difftest.backends.vllm_imports import triton_precision
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
+from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.sparse_table import kernel_sequences
 
 KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
@@ -277,6 +279,19 @@ class AiterUnified:
                                f"{', '.join(missing)}")
         with answering(answers):
             result = unified_attention(**arguments)
+        valid = torch.arange(table.shape[1], device=table.device)[None] < (
+            (ctx[last][:, None] + case.page_size - 1) // case.page_size)
+        inputs.state(kernel_call(unified_attention, arguments, labels={
+            "k": f"{case.kv_dtype} {case.kv_layout} {views.k.shape[0]} pages",
+            "v": f"{case.kv_dtype} {case.kv_layout} {views.v.shape[0]} pages",
+            "seqused_k": length_classes(arguments["seqused_k"].tolist()),
+            "block_table": id_classes(arguments["block_table"], views.v.shape[0] - 1, valid),
+            "q_descale": scale_class(case.q_scale or None),
+            "k_descale": scale_class(case.k_scale if fp8 else None),
+            "v_descale": scale_class(case.v_scale if fp8 else None),
+        }, fixed=UNIFIED_FIXED, sizes={"head_dim": (case.head_dim, "q.shape[2]"),
+                                       "page_size": (case.page_size, "k.shape[1]"),
+                                       "num_kv_heads": (case.num_kv_heads, "k.shape[2]")}))
         # Releases whose single-segment 3-D path writes `out` in place return it too.
         return out if result is None else result
 
