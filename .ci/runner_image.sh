@@ -8,10 +8,16 @@
 # (PYTHON=<image python>), which must leave every file of the image as it was; then the tests
 # that cover setup, the backends and the pytest plugin under -n run in that venv.
 #
-#   bash .ci/runner_image.sh [DIR]     DIR holds the image and the venv (default: a new temp dir)
+#   bash .ci/runner_image.sh [DIR]   DIR holds the image and the venvs, kept and reused (default:
+#                                    a temporary directory, removed at the end)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WORK=${1:-$(mktemp -d)}
+if [ -n "${1:-}" ]; then
+  WORK=$1
+else
+  WORK=$(mktemp -d)
+  trap 'rm -rf "$WORK"' EXIT  # the image is about 6 GB (torch 2.14.1 with its CUDA libraries)
+fi
 IMAGE=$WORK/image
 VENV=$WORK/venv
 PIP=(-m pip install -q --progress-bar off --disable-pip-version-check --no-warn-conflicts)
