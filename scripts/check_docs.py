@@ -1,6 +1,6 @@
 """Run every command block of the README and docs/workflows.md and compare with what they show.
 
-    .venv/bin/python scripts/check_docs.py [--list] [DOC.md ...]
+    .venv/bin/python scripts/check_docs.py [--list] [--save DIR] [DOC.md ...]
 
 Blocks, in document order, each document in one bash session from the checkout root with the
 venv's ``bin`` first on ``PATH`` (so ``cd``, files and ``$?`` carry from one command to the
@@ -11,7 +11,8 @@ next); ``scratch/`` is emptied before each document:
   skips any number of lines, ``...`` inside a line matches anything, and the shown lines are
   otherwise found in order, consecutively, in what the command printed (stdout and stderr).
   Case ids, output digests, paths, pids, addresses, timings and runs of spaces are compared
-  as placeholders. A command whose exit status the doc does not show (``$?``) must exit 0.
+  as placeholders; a doc writes the checkout's absolute path as ``<checkout>``. A command
+  whose exit status the doc does not show (``$?``) must exit 0.
 * ```` ```sh ````: the whole block is one command that must exit 0; a plain ```` ``` ````
   block right after it is the output it shows.
 * ``<!-- docs-check: skip: REASON -->`` before a block skips it, printed with the reason (a
@@ -167,7 +168,7 @@ def parse(path: Path) -> Doc:
 
 def normalise(line: str) -> str:
     """A line with paths, ids and timings replaced by placeholders, spaces collapsed."""
-    line = line.replace(str(ROOT) + "/", "").replace(str(ROOT), ".")
+    line = line.replace(str(ROOT), "<checkout>")
     line = ABSOLUTE_PATH.sub("<path>", line)
     for pattern, placeholder in PLACEHOLDERS:
         line = pattern.sub(placeholder, line)
@@ -255,8 +256,10 @@ def run_doc(doc: Doc, env: dict[str, str], cwd: Path = ROOT,
         {id(c): results[n] for n, c in enumerate(commands) if n in results}
 
 
-def check(doc: Doc, env: dict[str, str], cwd: Path = ROOT) -> list[str]:
-    """Run ``doc`` in ``cwd`` and return what differs from what it shows."""
+def check(doc: Doc, env: dict[str, str], cwd: Path = ROOT, save: Path | None = None,
+          ) -> list[str]:
+    """Run ``doc`` in ``cwd`` and return what differs from what it shows; with ``save``, write
+    each command's output there (``<doc>-<line>.txt``)."""
     skips, results = run_doc(doc, env, cwd)
     for line in skips:
         print(line)
@@ -272,6 +275,10 @@ def check(doc: Doc, env: dict[str, str], cwd: Path = ROOT) -> list[str]:
                                 f"{DOC_TIMEOUT_S} s or bash stopped)")
                 continue
             status, output = results[id(command)]
+            if save is not None:
+                save.mkdir(parents=True, exist_ok=True)
+                (save / f"{doc.path.stem}-{command.line}.txt").write_text(
+                    f"$ {command.text}\n" + "\n".join(output) + f"\n[exit {status}]\n")
             outputs.setdefault(command.section, []).extend(output)
             tail = "\n".join(f"    | {line}" for line in output[-40:])
             if status != 0 and not command.status_shown:
@@ -307,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("docs", nargs="*", default=list(DEFAULT_DOCS))
     parser.add_argument("--list", action="store_true", help="list the commands, run nothing")
+    parser.add_argument("--save", type=Path, metavar="DIR",
+                        help="write each command's whole output to DIR (for editing a doc)")
     args = parser.parse_args(argv)
     problems: list[str] = []
     for name in args.docs:
@@ -317,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                     state = f"skip: {block.skip}" if block.skip else "run"
                     print(f"{name}:{command.line}: [{state}] $ {command.text.splitlines()[0]}")
             continue
-        problems += check(doc, environment())
+        problems += check(doc, environment(), save=args.save)
     for problem in problems:
         print(f"DIFFERS {problem}")
     if not args.list:

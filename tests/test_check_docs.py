@@ -99,4 +99,5 @@ def test_placeholders_and_trimming() -> None:
     # consecutive shown lines must be consecutive in the output
     assert check_docs.missing_line(["one", "two"], ["one", "between", "two"]) == "two"
     assert check_docs.normalise(f"  report:   {ROOT}/scratch/r.json pid 42  ") \
-        == "report: scratch/r.json pid <pid>"
+        == check_docs.normalise("report: <checkout>/scratch/r.json pid 7")
+    assert check_docs.normalise("in /usr/lib/x.py") == check_docs.normalise("in /opt/y")
