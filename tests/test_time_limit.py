@@ -39,7 +39,7 @@ def test_a_search_past_the_limit_fails_at_the_limit(tmp_path: Path) -> None:
 
 
 def test_the_limit_is_read_from_the_environment() -> None:
-    assert time_limit_from_env({}) == 300.0
+    assert time_limit_from_env({}) == 600.0
     assert time_limit_from_env({"DIFFTEST_TEST_TIME_LIMIT": "0"}) == 0.0
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(pytest.UsageError, match="DIFFTEST_TEST_TIME_LIMIT="):
