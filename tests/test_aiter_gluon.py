@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -270,3 +272,19 @@ def test_emulator_matches_the_real_kernel(device: torch.device) -> None:
             assert bool(active.any())
             torch.testing.assert_close(actual, expected, atol=tol, rtol=tol,
                                        msg=lambda m, c=case, s=splits: f"{c.name} splits={s}: {m}")
+
+
+def test_an_aiter_without_gluon_is_named_as_such(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed ``aiter`` without the gluon kernel (a stand-in, an old build) makes the real
+    backends unavailable with that named, found from the files alone (nothing imported)."""
+    (tmp_path / "aiter").mkdir()
+    (tmp_path / "aiter" / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    aiter_availability.cache_clear()
+    try:
+        reason = aiter_availability().reason
+    finally:
+        aiter_availability.cache_clear()
+    assert f"the 'aiter' at {tmp_path / 'aiter'} has no ops/triton/gluon/pa_decode_gluon.py" \
+        in reason, reason

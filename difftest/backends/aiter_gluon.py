@@ -37,6 +37,7 @@ import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,9 +77,15 @@ def aiter_availability() -> Availability:
     if gpus.gpu_vendor() != "amd" or gpus.visible_gpu_count() == 0:
         missing.append("a visible AMD GPU (no GPU node under /sys/class/kfd, or a visibility "
                        "mask hides every GPU)")
-    if importlib.util.find_spec("aiter") is None:
+    aiter = importlib.util.find_spec("aiter")
+    gluon_file = Path(*GLUON_MODULE.split(".")[1:]).with_suffix(".py")
+    if aiter is None:
         missing.append("AITER (no module 'aiter'; ROCm vLLM images preinstall it, and "
                        "`pip install aiter` is an unrelated PyPI package: see docs/rocm.md)")
+    elif not any((Path(d) / gluon_file).is_file() for d in aiter.submodule_search_locations or ()):
+        missing.append(f"an AITER with gluon (the 'aiter' at "
+                       f"{', '.join(aiter.submodule_search_locations or ['?'])} has no "
+                       f"{gluon_file})")
     elif not missing:
         try:
             importlib.import_module(GLUON_MODULE)
