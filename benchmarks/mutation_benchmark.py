@@ -3,6 +3,7 @@
     python -m benchmarks.mutation_benchmark            # the full run (CPU: under 10 minutes)
     python -m benchmarks.mutation_benchmark --quick    # a smoke run
     python -m benchmarks.mutation_benchmark --json out.json
+    python -m benchmarks.mutation_benchmark --diagnosis 3   # the diagnosis's share only
 
 For every mutant of :mod:`mutants.catalog`:
 
@@ -512,6 +513,81 @@ def format_diagnoses(ours: Sequence[Outcome], width: int) -> list[str]:
     return lines
 
 
+@dataclass
+class Diagnosed:
+    """One caught disagreement of a mutant: the hypothesis its diagnosis names first."""
+
+    mutant: str
+    case_id: str
+    expected: str
+    named: str | None
+    first_line: str
+
+    @property
+    def correct(self) -> bool:
+        """Whether the first line names the planted bug."""
+        return self.named == self.expected
+
+
+def _diagnosis_task(name: str, device: str, examples: int, kills: int,
+                    seed: int) -> list[Diagnosed]:
+    """Up to ``kills`` disagreements of mutant ``name`` over the first ``examples`` cases
+    ``difftest run`` would give its backend, each with its diagnosis's first hypothesis."""
+    from difftest.cases.capabilities import cases_for_backend
+    from difftest.cases.generate import generated_cases
+
+    mutant = _catalog()[name]
+    dev = torch.device(device)
+    reference = _reference()
+    found: list[Diagnosed] = []
+    for case in generated_cases(examples, seed, cases_for_backend(mutant, dev)):
+        if len(found) >= kills:
+            break
+        if not mutant.mutation.reachable(case):
+            continue
+        result = run_case(case, reference, [mutant], dev).results[0]
+        if result.status is not Status.DISAGREE or result.comparison is None:
+            continue
+        lines = result.comparison.diagnosis
+        found.append(Diagnosed(name, case.case_id, mutant.mutation.diagnosis,
+                               hypothesis_of(lines[0]) if lines else None,
+                               lines[0] if lines else ""))
+    return found
+
+
+def diagnosis_share(device: str, examples: int, kills: int, workers: int,
+                    seed: int = SEED) -> list[Diagnosed]:
+    """The caught disagreements of every mutant that declares a diagnosis, in catalogue
+    order (:func:`_diagnosis_task`, ``workers`` processes)."""
+    devices.prepare_runtime(device)
+    names = [n for n, m in _catalog().items() if m.mutation.diagnosis
+             and m.availability().available]
+    with concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_prepare_worker, initargs=(device,)) as pool:
+        parts = pool.map(_diagnosis_task, names, [device] * len(names),
+                         [examples] * len(names), [kills] * len(names), [seed] * len(names))
+        return [d for part in parts for d in part]
+
+
+def format_diagnosis_share(found: Sequence[Diagnosed]) -> str:
+    """Per mutant: caught disagreements and how many the diagnosis names; the share."""
+    width = max([len(d.mutant) for d in found] + [6])
+    lines = [f"{'mutant':<{width}}  caught  named  expected / first named (wrong ones)"]
+    by_mutant: dict[str, list[Diagnosed]] = {}
+    for d in found:
+        by_mutant.setdefault(d.mutant, []).append(d)
+    for name, items in by_mutant.items():
+        wrong = sorted({str(d.named) for d in items if not d.correct})
+        lines.append(f"{name:<{width}}  {len(items):>6}  {sum(d.correct for d in items):>5}  "
+                     f"{items[0].expected}" + (f" / {', '.join(wrong)}" if wrong else ""))
+    named = sum(d.correct for d in found)
+    share = f"{100 * named / len(found):.0f}%" if found else "-"
+    lines.append(f"diagnosis names the planted bug in {named} of {len(found)} caught "
+                 f"disagreements ({share})")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the table; exit 1 if a harmful mutant survives ours, the
     harmless one is flagged, the stretch has a false positive, or a kernel argument not
@@ -525,9 +601,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="batch sizes of the AITER grid, e.g. 3,81 (default: AITER's 3,81 "
                         "on a GPU, 3 on the CPU)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--diagnosis", type=int, default=0, metavar="KILLS",
+                        help="only measure the diagnosis: up to KILLS caught disagreements "
+                        "per mutant (over --examples cases each), and the share it names")
+    parser.add_argument("--examples", type=int, default=40,
+                        help="cases per mutant for --diagnosis (default 40)")
     args = parser.parse_args(argv)
     device = devices.resolve(args.device)
     workers = args.workers or ((os.cpu_count() or 1) if device == "cpu" else 1)
+    if args.diagnosis:
+        found = diagnosis_share(device, args.examples, args.diagnosis, workers)
+        print(format_diagnosis_share(found))
+        if args.json:
+            write_json(args.json, {"device": device, "examples": args.examples,
+                                   "kills": args.diagnosis,
+                                   "diagnosed": [asdict(d) | {"correct": d.correct}
+                                                 for d in found]})
+        return 0
     batches = (tuple(int(b) for b in args.aiter_batches.split(",")) if args.aiter_batches
                else CPU_AITER_BATCHES if device == "cpu" else AITER_BATCH_SIZES)
     limits = dataclasses.replace(QUICK if args.quick else FULL, aiter_batches=batches)

@@ -320,7 +320,7 @@ def _print_closing(report: dict[str, Any], path: str | None,
     unavailable = {b for b, e in report["backends"].items() if not e["available"]}
     print()
     if config.get("case_set"):
-        print(case_set_line(config["case_set"]))
+        print(case_set_line(config["case_set"], config.get("shard"), len(report["cases"])))
     generation = [line for line in config.get("generation", [])  # unavailable: said once
                   if not any(line.startswith(f"not drawn for {b}: ") for b in unavailable)]
     if full_audit:

@@ -57,6 +57,7 @@ MAX_ROWS = 4
 MAX_SEGMENTS = 16
 MAX_VARIANTS_PER_ROW = 64
 MAX_LINES = 3
+MAX_OTHER_TOKENS = 4  # a row's other query tokens the other-query-token hypotheses try
 MAX_CONTROL_ROWS = 2
 PREFIX = "explained by: "
 NOTHING = "no simple hypothesis explains it"
@@ -81,6 +82,7 @@ class Read:
     kv_dtype: str
     query_row: int
     planes_swapped: bool = False
+    head_shift: int = 0  # query head h reads head h + head_shift's query (mod the heads)
 
 
 @dataclass(frozen=True)
@@ -208,6 +210,8 @@ class _RowModel:
         k = self._gather(k_plane, k_addr, read, nan_as_finite) * read.k_scale
         v = self._gather(v_plane, v_addr, read, nan_as_finite) * read.v_scale
         q = self.query[read.query_row].to(torch.float64)  # [H, D]
+        if read.head_shift:
+            q = q.roll(-read.head_shift, dims=0)
         scores = q @ k.T * read.softmax_scale  # [H, L]
         if read.softcap:
             scores = read.softcap * torch.tanh(scores / read.softcap)
@@ -414,9 +418,12 @@ def _other_request_table(model: _RowModel, n: int, base: Read) -> Iterator[Varia
 
 def _other_query_token(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
     case = model.case
-    for m in case.request_rows(case.request_of_row(n)):
-        if m == n:
-            continue
+    rows = case.request_rows(case.request_of_row(n))
+    # the request's last and first tokens, then the nearest ones (a prefill-like request
+    # has up to 128: they must not use up the row's variants)
+    others = sorted((m for m in rows if m != n),
+                    key=lambda m: (m != rows[-1], m != rows[0], abs(m - n)))
+    for m in others[:MAX_OTHER_TOKENS]:
         other = model.base(m)
         yield Variant("other-query-token-selection", f"row {n} read what row {m} (query token "
                       f"{case.query_token(m)} of its request) selects",
@@ -488,6 +495,14 @@ def _softmax(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
                       "not applied", dataclasses.replace(base, sliding_window=0))
 
 
+def _heads(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
+    if model.case.num_q_heads > 1:
+        yield Variant("query-heads-shifted", "query head h read head h+1's query",
+                      dataclasses.replace(base, head_shift=1))
+        yield Variant("query-heads-shifted-back", "query head h read head h-1's query",
+                      dataclasses.replace(base, head_shift=-1))
+
+
 def _lbhnc(case: Case) -> bool:
     return case.kv_layout == "LBHNC"
 
@@ -504,12 +519,13 @@ HYPOTHESES: tuple[Generator, ...] = (
     _scales,
     _fp8_format,
     _softmax,
+    _heads,
+    _other_query_token,
     _unattended_page,
     _neighbour_blocks,
     _block_zero,
     _blocks_shifted,
     _other_request_table,
-    _other_query_token,
 )
 # Hypotheses about one row's reads; every other one is a rule a kernel applies to all rows.
 PER_ROW: frozenset[str] = frozenset({
@@ -524,7 +540,8 @@ HYPOTHESIS_NAMES: tuple[str, ...] = (
     "v-view-offset-9", "kv-scales-swapped", "kv-scales-missing", "k-scale-missing",
     "v-scale-missing", "kv-scales-applied-twice", *(f"fp8-read-as-{d}" for d in FP8_DTYPES),
     "softmax-scale-missing", "softmax-scale-applied-twice", "softmax-scale-default",
-    "softcap-ignored", "sliding-window-ignored", "page-from-unattended-block",
+    "softcap-ignored", "sliding-window-ignored", "query-heads-shifted",
+    "query-heads-shifted-back", "page-from-unattended-block",
     "page-from-null-block", "neighbouring-block", "block-0", "block-ids-plus-1",
     "block-ids-minus-1", "other-request-table", "other-query-token-selection",
     "other-query-token-query",

@@ -47,7 +47,8 @@ class RunPlan:
 
     runs: tuple[PlannedRun, ...]
     generation: tuple[str, ...] = ()
-    examples: int = 0
+    # runs by origin over the whole case set (before --shard: every shard records the same)
+    case_set: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def build(cls, capabilities: Capabilities, cases: Iterable[Case],
@@ -56,31 +57,34 @@ class RunPlan:
         """The corpus ``cases`` on every backend, then each generated example fitted to the
         backends (:meth:`Capabilities.fit_all`), then the ``recorded`` runs of an earlier
         report as they were; only those in ``shard`` when given."""
-        examples = list(examples)
         runs = [PlannedRun(case, None, "corpus") for case in cases]
         runs += [PlannedRun(f.case, f.backends, "fitted" if f.changes else "generated")
                  for f in capabilities.fit_all(examples)]
         runs += [PlannedRun(case, names, "recorded") for case, names in recorded]
+        found = Counter(run.origin for run in runs)
+        case_set = tuple((origin, found[origin]) for origin in ORIGINS)
         if shard is not None:
             runs = [run for run in runs if shard.contains(run.case)]
-        return cls(tuple(runs), tuple(capabilities.lines()), len(examples))
+        return cls(tuple(runs), tuple(capabilities.lines()), case_set)
 
     def counts(self) -> dict[str, int]:
-        """Runs by origin (``corpus``, ``generated``, ``fitted``)."""
-        found = Counter(run.origin for run in self.runs)
-        return {origin: found[origin] for origin in ORIGINS}
+        """The whole case set's runs by origin (``corpus``, ``generated``, ``fitted``),
+        ``--shard`` or not."""
+        return dict(self.case_set)
 
     def pairs(self) -> list[tuple[Case, tuple[str, ...] | None]]:
         """``(case, backends)`` of every run, as :meth:`Session.run` takes them."""
         return [(run.case, run.backends) for run in self.runs]
 
 
-def case_set_line(counts: dict[str, int]) -> str:
+def case_set_line(counts: dict[str, int], shard: str | None = None, ran: int = 0) -> str:
     """The case count explained: ``133 cases: 6 corpus, 50 generated, 77 fitted variants``,
-    and why a backend runs fewer cases than the total."""
+    and why a backend runs fewer cases than the total; with ``shard``, the ``ran`` cases of
+    that shard first."""
     total = sum(counts.values())
-    line = (f"{total} cases: {counts.get('corpus', 0)} corpus, "
-            f"{counts.get('generated', 0)} generated")
+    line = f"shard {shard}: {ran} cases of a case set of " if shard else ""
+    line += (f"{total} cases: {counts.get('corpus', 0)} corpus, "
+             f"{counts.get('generated', 0)} generated")
     if counts.get("fitted"):
         line += (f", {counts['fitted']} fitted variants (a backend that refuses a generated "
                  "case runs the nearest variant it accepts instead)")

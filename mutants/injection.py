@@ -1,7 +1,8 @@
 """How a bug is planted: a correct backend reads its inputs through a mutation.
 
 A :class:`Mutation` may rewrite what the wrapped backend pulls from :class:`RunInputs` (the
-sparse table, the scales, the cache views, the logical tables) or its output. The wrapped
+case's kernel parameters, the sparse table, the scales, the cache views, the logical tables)
+or its output. The wrapped
 kernel is unchanged, so a mutant behaves exactly like a kernel with that one bug.
 
 A bug that lives in an adapter's configuration rather than in its inputs (AITER's K-trim
@@ -39,6 +40,7 @@ class Mutation:
     name: str
     description: str
     harmful: bool = True
+    case: Callable[[Case], Case] | None = None  # the case the kernel reads its arguments from
     sparse_table: Callable[[Case, Table], Table] | None = None
     scales: Callable[[Case, Table], Table] | None = None
     cache: Callable[[Case, CacheViews], CacheViews] | None = None
@@ -63,6 +65,13 @@ class MutatedInputs:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    @property
+    def case(self) -> Case:
+        """The (possibly rewritten) case whose parameters the kernel is called with; the
+        data, tables and caches stay the correct case's."""
+        hook = self._mutation.case
+        return hook(self._inner.case) if hook else self._inner.case
 
     @property
     def sparse_table(self) -> Table:

@@ -10,9 +10,10 @@ if python -c "import ruff" >/dev/null 2>&1; then
 else
   echo "test: ruff is not installed (offline setup), lint not run"
 fi
+# -rs: every skip with its reason; --durations: the slowest tests, so a log says where time went
 if python -c "import xdist" >/dev/null 2>&1; then
-  python -m pytest -n "${DIFFTEST_WORKERS:-2}" "$@"
+  python -m pytest -n "${DIFFTEST_WORKERS:-2}" -rs --durations=15 "$@"
 else
   echo "test: pytest-xdist is not installed (offline setup), the tests run in one process"
-  python -m pytest "$@"
+  python -m pytest -rs --durations=15 "$@"
 fi

@@ -56,12 +56,6 @@ def window_edges(longest_context: int) -> list[int]:
     return sorted(w for w in edges if w >= 1)
 
 
-def sliding_windows(longest_context: int) -> st.SearchStrategy[int]:
-    """Windows for rows whose longest attended sequence is ``longest_context`` tokens."""
-    return st.one_of(st.sampled_from(window_edges(longest_context)),
-                     st.integers(1, max(longest_context, 1)))
-
-
 def softcaps(kind: str | None = None) -> st.SearchStrategy[float]:
     """Softcaps: overflowing ones (:data:`OVERFLOW_SOFTCAPS`) in three draws of five, else a
     model's (50, 30) or any of :data:`~difftest.case.SOFTCAP_RANGE`; shrinks toward 50.
