@@ -187,17 +187,17 @@ PREFILL = Case(num_blocks=8, seq_lens=(300, 200), block_tables=((5, 1, 6), (2, 7
 
 
 def test_query_lens_rows_are_read_within_their_own_request() -> None:
-    """The other-query-token hypotheses of row 3 try rows 2 and 4 (its request's other
-    tokens, query tokens 0 and 2), not rows of request 0 as ``request * decode_query_len``
-    arithmetic would."""
+    """The other-query-token hypotheses of row 3 try rows 4 and 2 (its request's last token
+    first, then its first: query tokens 2 and 0), not rows of request 0 as
+    ``request * decode_query_len`` arithmetic would."""
     inputs = RunInputs(PREFILL, torch.device("cpu"))
     backend = TritonUnifiedAttention()
     model = diagnosis._RowModel(inputs, Tolerance(backend.precision(PREFILL, inputs.device)),
                                 backend.empty_row_output(PREFILL))
     texts = [v.text for v in diagnosis._other_query_token(model, 3, model.base(3))
              if v.hypothesis == "other-query-token-selection"]
-    assert texts == ["row 3 read what row 2 (query token 0 of its request) selects",
-                     "row 3 read what row 4 (query token 2 of its request) selects"]
+    assert texts == ["row 3 read what row 4 (query token 2 of its request) selects",
+                     "row 3 read what row 2 (query token 0 of its request) selects"]
 
 
 def test_query_lens_worst_locations_name_the_query_token_and_features_the_length() -> None:
