@@ -177,7 +177,7 @@ def _add_session_options(parser: argparse.ArgumentParser) -> None:
 class Progress:
     """Progress on stderr, each line naming every backend's status on the case just run: one
     line rewritten in place on a terminal; elsewhere (CI logs) a line every tenth of the
-    cases and one for every failing case, so a log stays short."""
+    cases and one above each failure printed in full, so a log stays short."""
 
     def __init__(self, total: int, share: int = 1) -> None:
         self.total = total
@@ -187,8 +187,9 @@ class Progress:
         # a job of --jobs (one of ``share``) prints its tenth of the lines
         self.every = max(1, math.ceil(total * max(share, 1) / 10 / max(share, 1) ** 2))
 
-    def step(self, result: CaseResult) -> None:
-        """Advance by one case."""
+    def step(self, result: CaseResult, shown: bool = False) -> None:
+        """Advance by one case; ``shown``: its failure is printed below this line (so this
+        line is printed too)."""
         self.done += 1
         rate = self.done / max(time.perf_counter() - self.start, 1e-9)
         by_status: dict[str, list[str]] = {}
@@ -200,9 +201,9 @@ class Progress:
         line = f"{self.done}/{self.total} {rate:.2f} cases/s  {case.case_id}{name}: {statuses}"
         if self.tty:
             sys.stderr.write("\r\033[K" + line[:shutil.get_terminal_size().columns - 1])
-            if self.done == self.total or result.failed:
+            if self.done == self.total or shown:
                 sys.stderr.write("\n")
-        elif result.failed or self.done % self.every == 0 or self.done == self.total:
+        elif shown or self.done % self.every == 0 or self.done == self.total:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
@@ -279,7 +280,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress = Progress(len(plan.runs), job.count if job else 1)
     shown = 0
     for result in execute(session, plan, Path(args.claims) if job else None):
-        progress.step(result)
+        progress.step(result, result.failed and shown < FULL_FAILURES)
         if result.failed:
             shown = _print_failure(result, session.plugins, shown)
     report = session_report(session, {
