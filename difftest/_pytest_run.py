@@ -44,7 +44,7 @@ from hypothesis.strategies import SearchStrategy
 
 from difftest import devices, pinning
 from difftest.artifacts import DEFAULT_ROOT, ArtifactStore, promote_command, repro_command
-from difftest.audit import audit_json, audit_lines
+from difftest.audit import audit_json
 from difftest.case import Case
 from difftest.cases.capabilities import Capabilities
 from difftest.expectations import Expectation, judge
@@ -53,7 +53,14 @@ from difftest.fingerprint import fingerprint
 from difftest.jsonfile import dumps, loads
 from difftest.records import CaseRecord
 from difftest.registry import split_names
-from difftest.report import Report, summary, unique_cases, write_report
+from difftest.report import (
+    Report,
+    blind_spot_lines,
+    summary,
+    unique_cases,
+    verdict_line,
+    write_report,
+)
 from difftest.runner import CaseResult
 from difftest.session import DEFAULT_REFERENCE, Session
 from difftest.shard import Shard, ShardError, shard_of
@@ -474,11 +481,6 @@ class DifftestRun:
         if path:
             write_report(path, self.report)
 
-    def _tested(self) -> list[str]:
-        """The report's backends under test (every backend but the reference)."""
-        assert self.report is not None
-        return _tested(self.report["backends"], self.report["config"])
-
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         """Agreement matrix, cases per backend, worst cases, failures and crashes."""
         if self.report is None:
@@ -488,14 +490,14 @@ class DifftestRun:
             terminalreporter.write_line(f"worker {worker} (pid {entry['pid']}): "
                                         f"{pinning.describe(entry['gpu_env'])}, "
                                         f"{entry['cases']} cases")
-        terminalreporter.write_line(summary(self.report))
+        path = self.config.getoption("--difftest-report")
         for writer, line in self.generation:
             terminalreporter.write_line(f"generation ({writer}): {line}")
-        for line in audit_lines(self.report["cases"], self._tested()):
+        for line in blind_spot_lines(self.report["config"].get("audit"), path,
+                                     "--difftest-report PATH, then difftest audit PATH"):
             terminalreporter.write_line(line)
-        path = self.config.getoption("--difftest-report")
-        if path:
-            terminalreporter.write_line(f"difftest report: {path}")
+        terminalreporter.write_line(summary(self.report, coverage=False))
+        terminalreporter.write_line(verdict_line(self.report, path))
 
 
 def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:

@@ -271,10 +271,11 @@ def verdict_line(report: dict[str, Any], path: str | None = None,
     return "; ".join(parts)
 
 
-def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None) -> list[str]:
+def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None,
+                     without_report: str = "difftest run --audit") -> list[str]:
     """The audit's blind spots (kernel arguments that took one value over the cases a backend
     ran, though not documented as fixed), one line per backend, and where the whole audit
-    is shown."""
+    is shown: ``difftest audit <path>``, or ``without_report`` when no report is written."""
     if not audit:
         return []
     lines = []
@@ -285,7 +286,7 @@ def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None) -> l
             if blind and entry["cases"]:  # a backend that ran nothing is not audited
                 lines.append(f"blind spots of {backend} ({kernel}, {entry['cases']} "
                              f"cases): {', '.join(blind)}")
-    where = f"difftest audit {path}" if path else "difftest run --audit"
+    where = f"difftest audit {path}" if path else without_report
     lines.append(f"parameter audit: {len(lines)} backend(s) with blind spots; all of it: "
                  f"{where}")
     return lines
