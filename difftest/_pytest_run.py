@@ -56,6 +56,7 @@ from difftest.registry import split_names
 from difftest.report import (
     Report,
     blind_spot_lines,
+    case_records,
     summary,
     unique_cases,
     verdict_line,
@@ -497,7 +498,10 @@ class DifftestRun:
                                      "--difftest-report PATH, then difftest audit PATH"):
             terminalreporter.write_line(line)
         terminalreporter.write_line(summary(self.report, coverage=False))
-        terminalreporter.write_line(verdict_line(self.report, path))
+        judgement = judge(case_records(self.report), self.expectations())
+        for line in judgement.lines():
+            terminalreporter.write_line(line)
+        terminalreporter.write_line(verdict_line(self.report, path, judgement))
 
 
 def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
