@@ -41,7 +41,12 @@ import torch
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
-from difftest.backends.vllm_imports import triton_availability, triton_precision, vllm_version
+from difftest.backends.vllm_imports import (
+    triton_availability,
+    triton_precision,
+    vllm_location,
+    vllm_version,
+)
 from difftest.backends.vllm_release import chosen_release
 from difftest.case import Case
 from difftest.dtypes import dtype_name, torch_dtype
@@ -220,7 +225,8 @@ class TritonUnifiedAttention:
                     "triton_interpret": str(devices.interpreted()),
                     "kernel_path": "2-D; 3-D where a case's split_k_segments and "
                     "seq_threshold_3d make vLLM choose it (the audit's seq_threshold_3D "
-                    "label per case; checked from the scratch after each run)"}
+                    "label per case; checked from the scratch after each run)",
+                    "vllm_path": vllm_location()}
         if self.release is not None:
             kernel = self.release.find(*KERNEL_FILES)
             versions.update(vllm=self.release.version, vllm_path=str(self.release.package),
