@@ -66,12 +66,15 @@ class Release:
                 return path
         return None
 
-    def load(self, path: Path) -> types.ModuleType:
-        """Import the release's kernel file ``path`` under the private name (once)."""
-        if not any(isinstance(f, _ReleaseFinder) and f.release == self for f in sys.meta_path):
-            sys.meta_path.append(_ReleaseFinder(self))
+    def load(self, path: Path, arch: str | None = None) -> types.ModuleType:
+        """Import the release's kernel file ``path`` under the private name (once); with
+        ``arch`` a second copy whose platform imports answer for that GPU architecture
+        (:mod:`difftest.backends.vllm_arch`)."""
+        prefix = self.module_prefix + (f"__{arch}" if arch else "")
+        if not any(isinstance(f, _ReleaseFinder) and f.prefix == prefix for f in sys.meta_path):
+            sys.meta_path.append(_ReleaseFinder(self, prefix, arch))
         relative = path.relative_to(self.package).with_suffix("")
-        return importlib.import_module(".".join((self.module_prefix, *relative.parts)))
+        return importlib.import_module(".".join((prefix, *relative.parts)))
 
 
 class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -81,13 +84,19 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     serving stack, never run); files run with sibling-kernel imports pointed at the prefix.
     """
 
-    def __init__(self, release: Release) -> None:
+    def __init__(self, release: Release, prefix: str, arch: str | None) -> None:
         self.release = release
+        self.prefix = prefix
+        self.platforms = None
+        if arch:
+            from difftest.backends.vllm_arch import arch_modules, arch_of
+
+            self.platforms = arch_modules(arch_of(arch)) + ".platforms"
 
     def find_spec(self, fullname: str, path: object = None,
                   target: object = None) -> importlib.machinery.ModuleSpec | None:
         """A spec for names under the release's prefix, ``None`` for every other name."""
-        prefix = self.release.module_prefix
+        prefix = self.prefix
         if fullname != prefix and not fullname.startswith(prefix + "."):
             return None
         location = self.release.package.joinpath(*fullname.split(".")[1:])
@@ -115,12 +124,16 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(compile(source, str(path), "exec"), module.__dict__)
 
     def _rewrite(self, match: re.Match[str], directory: Path) -> str:
-        """``from vllm.<sibling> import`` -> ``from <prefix>.<sibling> import``."""
+        """``from vllm.<sibling> import`` -> ``from <prefix>.<sibling> import``; with an
+        arch, ``from vllm.platforms[.rocm] import`` -> the arch's platform modules."""
         dotted = match.group(2).split(".")
+        if self.platforms and match.group(2) in ("vllm.platforms", "vllm.platforms.rocm"):
+            private = ".".join((self.platforms, *dotted[2:]))
+            return f"{match.group(1)}{private}{match.group(3)}"
         target = self.release.package.joinpath(*dotted[1:]).with_suffix(".py")
         if target.parent != directory or not target.is_file():
             return match.group(0)
-        private = ".".join((self.release.module_prefix, *dotted[1:]))
+        private = ".".join((self.prefix, *dotted[1:]))
         return f"{match.group(1)}{private}{match.group(3)}"
 
 
