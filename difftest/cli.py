@@ -243,6 +243,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
     from difftest import devices
+    from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.dense import dense_examples
@@ -262,6 +263,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     if job is None:
+        try:  # the releases named by vllm= options or $DIFFTEST_VLLM, fetched once
+            fetch_missing(release_specs(args.backends or []))
+        except ReleaseError as exc:
+            print(f"difftest run: {exc}", file=sys.stderr)
+            return EXIT_UNREADABLE
         args.jobs = _job_count(args.jobs, args.device)
         if args.jobs > 1:
             return _run_jobs(args)

@@ -119,10 +119,13 @@ class _Statements:
         tree = ast.parse(source)
         self.parent: dict[ast.AST, ast.AST] = {}
         self.nodes: list[ast.stmt] = []
+        docstrings = {id(n.body[0]) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                        ast.AsyncFunctionDef)) and ast.get_docstring(n)}
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
                 self.parent[child] = node
-            if isinstance(node, ast.stmt):
+            if isinstance(node, ast.stmt) and id(node) not in docstrings:  # never executed
                 self.nodes.append(node)
         self.nodes.sort(key=lambda n: n.lineno)
 

