@@ -232,12 +232,15 @@ class TritonUnifiedAttention:
                     "seq_threshold_3d make vLLM choose it (the audit's seq_threshold_3D "
                     "label per case; checked from the scratch after each run)",
                     "vllm_path": vllm_location()}
-        if self.release is not None:
-            kernel = self.release.find(*KERNEL_FILES)
-            versions.update(vllm=self.release.version, vllm_path=str(self.release.package),
-                            vllm_loading=f"{kernel} and its sibling kernel modules executed "
-                            f"under {self.release.module_prefix}; vllm.platforms, envs and "
-                            f"triton_utils from the venv's vLLM {vllm_version()}")
+        if self.release is not None or self.arch is not None:
+            release = self.release or resolve(vllm_location())
+            try:
+                self._kernel()
+                loading = release.loading(self.arch and self.arch.name)
+            except Exception as exc:  # the run reports it as the backend's error
+                loading = f"loading failed: {exc!r}"
+            versions.update(vllm=release.version, vllm_path=str(release.package),
+                            vllm_loading=f"{loading} ({vllm_version()})")
         if self.arch is not None:
             versions["arch"] = arch_note(self.arch)
         return versions

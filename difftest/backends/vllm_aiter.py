@@ -153,10 +153,13 @@ class VllmAiter(GluonCaller):
 
         versions = {"torch": torch.__version__, "triton": triton.__version__}
         if self.release is not None:
+            try:
+                self._sparse_pa()
+                loading = self.release.loading()
+            except Exception as exc:  # the run reports it as the backend's error
+                loading = f"loading failed: {exc!r}"
             versions |= {"vllm": self.release.version, "vllm_path": str(self.release.package),
-                         "vllm_loading": f"{KERNEL_FILE} executed under "
-                         f"{self.release.module_prefix}; its other vllm imports from the "
-                         f"venv's vLLM {vllm_version()}"}
+                         "vllm_loading": f"{loading} ({vllm_version()})"}
         else:
             import_minimax_m3("amd.ops.sparse_pa")
             versions |= {"vllm": vllm_version(), "vllm_path": vllm_location(),
