@@ -23,6 +23,17 @@ from pathlib import Path
 from typing import Any
 
 PACKAGES = ("vllm", "aiter")
+LAUNCH_KEYS = ("num_warps", "num_stages", "TILE_SIZE", "BLOCK_M", "BLOCK_Q",
+               "NUM_SEGMENTS_PER_SEQ", "IS_3D")
+_launches: dict[str, dict[str, int]] = {}  # kernel module -> launch parameters -> count
+
+
+def note_launch(module: str, kernel: str, parameters: Mapping[str, Any]) -> None:
+    """Count one launch of ``kernel`` (of ``module``) with its launch parameters
+    (:data:`LAUNCH_KEYS` among them), for the run's reach record."""
+    shown = " ".join(f"{k}={parameters[k]}" for k in LAUNCH_KEYS if k in parameters)
+    counts = _launches.setdefault(module, {})
+    counts[f"{kernel} {shown}"] = counts.get(f"{kernel} {shown}", 0) + 1
 
 
 class LineTrace:
@@ -37,7 +48,9 @@ class LineTrace:
         self.tracer = f"coverage.py {coverage.__version__}"
 
     def start(self) -> LineTrace:
-        """Start tracing this process (threads started later included)."""
+        """Start tracing this process (threads started later included), and counting the
+        launches of arch-emulated kernels anew."""
+        _launches.clear()
         self._coverage.start()
         return self
 
@@ -49,19 +62,26 @@ class LineTrace:
         files = {path: sorted(data.lines(path) or ())
                  for path in sorted(data.measured_files())}
         return {"tracer": self.tracer, "kernel_bodies": kernel_bodies,
-                "files": {path: lines for path, lines in files.items() if lines}}
+                "files": {path: lines for path, lines in files.items() if lines},
+                "launches": {m: dict(sorted(c.items())) for m, c in sorted(_launches.items())}}
 
 
 def merge_reach(records: Iterable[Mapping[str, Any] | None]) -> dict[str, Any]:
     """One record of the lines several processes' records hold (shards, ``--jobs``)."""
     given = [r for r in records if r]
     files: dict[str, set[int]] = {}
+    launches: dict[str, dict[str, int]] = {}
     for record in given:
         for path, lines in record["files"].items():
             files.setdefault(path, set()).update(lines)
+        for module, counts in (record.get("launches") or {}).items():
+            for launch, count in counts.items():
+                launches.setdefault(module, {})
+                launches[module][launch] = launches[module].get(launch, 0) + count
     return {"tracer": given[0]["tracer"] if given else "none",
             "kernel_bodies": all(r["kernel_bodies"] for r in given),
-            "files": {path: sorted(lines) for path, lines in sorted(files.items())}}
+            "files": {path: sorted(lines) for path, lines in sorted(files.items())},
+            "launches": {m: dict(sorted(c.items())) for m, c in sorted(launches.items())}}
 
 
 @dataclass(frozen=True)
@@ -333,6 +353,10 @@ def reach_lines(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> li
             paths = [path for where, path in tree.elsewhere if where == other]
             lines.append(f"    {len(paths)} files changed in the candidate's tree ran from "
                          f"{other} instead: {', '.join(paths)}")
+    for module, counts in ((candidate["config"].get("reach") or {}).get("launches")
+                           or {}).items():
+        lines.append(f"  launches of {module} (arch emulation; the parameters as chosen):")
+        lines += [f"    {count} x {launch}" for launch, count in counts.items()]
     if unreached or unmeasured:
         lines.append(f"REACH: {unreached} changed statements never ran"
                      + (f" and {unmeasured} were not measurable" if unmeasured else "")

@@ -80,7 +80,8 @@ def test_kernel_bodies_of_a_gpu_run_are_not_measured() -> None:
 def test_records_of_several_processes_merge() -> None:
     merged = merge_reach([{"tracer": "t", "kernel_bodies": True, "files": {"a": [1, 3]}},
                           None, {"tracer": "t", "kernel_bodies": False, "files": {"a": [2]}}])
-    assert merged == {"tracer": "t", "kernel_bodies": False, "files": {"a": [1, 2, 3]}}
+    assert merged == {"tracer": "t", "kernel_bodies": False, "files": {"a": [1, 2, 3]},
+                      "launches": {}}
 
 
 def test_arch_queries_answer_for_the_emulated_architecture() -> None:
@@ -165,4 +166,7 @@ def test_a_change_in_an_arch_branch_is_caught_with_that_arch_and_shown_unreached
     assert emulated[1]["backends"][name]["versions"]["arch"].startswith("gfx1201 (RDNA4)")
     lines = reach_lines(*emulated)
     assert "ops/triton_unified_attention.py: 1 of 1 changed statements ran" in "\n".join(lines)
+    # gfx1201's 2D decode launch for head size 128: TILE_SIZE 16, 2 warps, 1 stage
+    assert ("    1 x kernel_unified_attention num_warps=2 num_stages=1 TILE_SIZE=16 BLOCK_M=16 "
+            "BLOCK_Q=8 NUM_SEGMENTS_PER_SEQ=1 IS_3D=False") in lines
     assert lines[-1] == "REACH: every changed statement of the executed files ran"

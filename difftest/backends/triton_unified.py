@@ -41,7 +41,7 @@ import torch
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
-from difftest.backends.vllm_arch import arch_note, arch_of
+from difftest.backends.vllm_arch import arch_note, arch_of, record_launches
 from difftest.backends.vllm_imports import (
     triton_availability,
     triton_precision,
@@ -261,6 +261,8 @@ class TritonUnifiedAttention:
             if kernel is None:
                 raise RuntimeError(self.availability().reason)
             module = release.load(kernel, self.arch and self.arch.name)
+            if self.arch is not None:  # the launch hook: the parameters the arch chose
+                record_launches(module, ("kernel_unified_attention", "reduce_segments"))
         return module.unified_attention
 
     def run(self, inputs: RunInputs) -> torch.Tensor:

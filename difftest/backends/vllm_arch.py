@@ -134,6 +134,35 @@ def _rocm_query(arch: Arch) -> Callable[[str], Callable[[], bool]]:
     return lookup
 
 
+class LaunchRecorder:
+    """A ``@triton.jit`` kernel of an arch-emulated module whose launches are counted with
+    their launch parameters (:func:`difftest.reach.note_launch`), then run unchanged."""
+
+    def __init__(self, kernel: Any, module: str, name: str) -> None:
+        self.kernel, self.module, self.name = kernel, module, name
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            from difftest.reach import note_launch
+
+            note_launch(self.module, self.name, kwargs)
+            return launch(*args, **kwargs)
+        return run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
+def record_launches(module: types.ModuleType, names: tuple[str, ...]) -> None:
+    """Count the launches of ``module``'s kernels ``names`` (once per module)."""
+    for name in names:
+        kernel = getattr(module, name, None)
+        if kernel is not None and not isinstance(kernel, LaunchRecorder):
+            setattr(module, name, LaunchRecorder(kernel, module.__name__, name))
+
+
 def arch_note(arch: Arch) -> str:
     """What ran and what this device cannot reproduce of ``arch``."""
     if devices.interpreted():
