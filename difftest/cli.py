@@ -474,9 +474,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
     print("environment changes:" if changes else "environment: identical versions")
     for line in changes:
         print(line)
+    for line in reach_lines(baseline, candidate):  # before the verdict, which ends it
+        print(line)
     result = gate(baseline, candidate, args.max_ratio_growth, args.ratio_floor)
     print(format_result(result, show_all=args.all))
-    print("\n".join(reach_lines(baseline, candidate)))
     return 1 if result.failed else 0
 
 

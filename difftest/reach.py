@@ -272,7 +272,7 @@ def tree_reach(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> lis
         ours = baseline["backends"][name].get("versions") or {}
         theirs = candidate["backends"][name].get("versions") or {}
         for key in ("vllm_path", "aiter_path"):
-            if ours.get(key) and theirs.get(key):
+            if ours.get(key) and theirs.get(key) and ours[key] != theirs[key]:
                 pairs.setdefault((ours[key], theirs[key]), []).append(name)
     cand_reach = candidate["config"].get("reach")
     trees = []
