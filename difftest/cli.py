@@ -534,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", help=argparse.SUPPRESS)  # K/N: one process of --jobs N
     p.add_argument("--claims", help=argparse.SUPPRESS)  # the jobs' claimed cases
     p.add_argument("--reach", action="store_true",
-                   help="record the lines run in the vllm/aiter package files (coverage.py), "
+                   help="record the lines run in the vllm package files (coverage.py), "
                    "for the gate's reach of a bump's changed code")
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
     p.set_defaults(func=cmd_run)

@@ -1,16 +1,16 @@
-"""Reach: which changed lines of a vLLM (or AITER) bump a run executed.
+"""Reach: which changed lines of a vLLM bump a run executed.
 
 Under Triton's interpreter a ``@triton.jit`` body runs as Python (compiled with its file's
 name and line numbers), so one line trace covers a launcher and its kernels; on a GPU only
 the host side is Python, and the lines inside ``@triton.jit`` bodies are counted apart as
 not measurable there. :class:`LineTrace` (coverage.py) records the lines a run executes in
-the files of every ``vllm``/``aiter`` package tree; ``difftest run --reach`` keeps them in
-the report under ``config.reach``. :func:`tree_reach` diffs each file that either run
-executed between the baseline's and the candidate's tree of a backend (the ``vllm_path``
-its versions name) and counts the changed statements of the candidate's file that its run
-executed; each unreached hunk comes with the condition that kept it out (an ``if`` whose
-test ran and never took that branch, a function never called). :func:`reach_lines` renders
-it for ``difftest gate``. docs/reach.md explains the counting.
+the files of every ``vllm`` package tree; ``difftest run --reach`` keeps them in the report
+under ``config.reach``. :func:`tree_reach` diffs each file the candidate's run executed
+between the baseline's and the candidate's tree of a backend (the ``vllm_path`` its versions
+name) and counts the changed statements of the candidate's file that the run executed; each
+unreached hunk comes with the condition that kept it out (an ``if`` whose test ran and never
+took that branch, a function never called). :func:`reach_lines` renders it for ``difftest
+gate``. docs/reach.md explains the counting.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("vllm", "aiter")
+PACKAGES = ("vllm",)
 LAUNCH_KEYS = ("num_warps", "num_stages", "TILE_SIZE", "BLOCK_M", "BLOCK_Q",
                "NUM_SEGMENTS_PER_SEQ", "IS_3D")
 _launches: dict[str, dict[str, int]] = {}  # kernel module -> launch parameters -> count
@@ -37,7 +37,7 @@ def note_launch(module: str, kernel: str, parameters: Mapping[str, Any]) -> None
 
 
 class LineTrace:
-    """coverage.py's line trace over the files of the ``vllm`` and ``aiter`` packages."""
+    """coverage.py's line trace over the files of every ``vllm`` package tree."""
 
     def __init__(self) -> None:
         import coverage
@@ -264,16 +264,16 @@ def _read(path: Path) -> str | None:
 
 def tree_reach(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[TreeReach]:
     """Per (baseline tree, candidate tree) pair of the backends both reports name with a
-    ``vllm_path`` (or ``aiter_path``): the reach of every file the candidate's run executed
+    ``vllm_path``: the reach of every file the candidate's run executed
     in its tree that differs from the baseline tree's copy, and the changed files of the
     candidate's tree that ran from another tree (the venv's ``vllm.platforms``, say)."""
     pairs: dict[tuple[str, str], list[str]] = {}
     for name in sorted(baseline["backends"].keys() & candidate["backends"].keys()):
         ours = baseline["backends"][name].get("versions") or {}
         theirs = candidate["backends"][name].get("versions") or {}
-        for key in ("vllm_path", "aiter_path"):
-            if ours.get(key) and theirs.get(key) and ours[key] != theirs[key]:
-                pairs.setdefault((ours[key], theirs[key]), []).append(name)
+        if ours.get("vllm_path") and theirs.get("vllm_path") and (
+                ours["vllm_path"] != theirs["vllm_path"]):
+            pairs.setdefault((ours["vllm_path"], theirs["vllm_path"]), []).append(name)
     cand_reach = candidate["config"].get("reach")
     trees = []
     for (old, new), names in sorted(pairs.items()):
