@@ -170,3 +170,40 @@ def test_a_change_in_an_arch_branch_is_caught_with_that_arch_and_shown_unreached
     assert ("    1 x kernel_unified_attention num_warps=2 num_stages=1 TILE_SIZE=16 BLOCK_M=16 "
             "BLOCK_Q=8 NUM_SEGMENTS_PER_SEQ=1 IS_3D=False") in lines
     assert lines[-1] == "REACH: every changed statement of the executed files ran"
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for relative, text in files.items():
+        (root / "vllm" / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / "vllm" / relative).write_text(text)
+    return root / "vllm"
+
+
+def _reports(old: Path, new: Path, reach: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def report(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+        return {"backends": {"b": {"versions": {"vllm_path": str(path)}}}, "config": config}
+    return [report(old, {}), report(new, {"reach": reach} if reach else {})]
+
+
+def test_changed_files_another_tree_ran_are_named(tmp_path: Path) -> None:
+    old = _tree(tmp_path / "old", {"k.py": OLD, "u.py": "X = 1\n"})
+    new = _tree(tmp_path / "new", {"k.py": NEW, "u.py": "X = 2\n"})
+    venv = _tree(tmp_path / "venv", {"u.py": "X = 1\n"})
+    reach = {"tracer": "t", "kernel_bodies": True,
+             "files": {str(new / "k.py"): [1, 4, 5, 6, 9, 12, 16], str(venv / "u.py"): [1]}}
+    lines = reach_lines(*_reports(old, new, reach))
+    assert "    k.py: 3 of 8 changed statements ran" in lines
+    assert f"    1 files changed in the candidate's tree ran from {venv} instead: u.py" in lines
+    assert lines[-1].startswith("REACH: 5 changed statements never ran")
+
+
+def test_a_reach_it_cannot_measure_says_why(tmp_path: Path) -> None:
+    old, new = _tree(tmp_path / "old", {"k.py": OLD}), _tree(tmp_path / "new", {"k.py": NEW})
+    assert reach_lines(*_reports(old, new, None))[-1] == (
+        "    reach unknown: the candidate's run recorded no reach (difftest run --reach)")
+    gone = tmp_path / "gone" / "vllm"
+    reach = {"tracer": "t", "kernel_bodies": True, "files": {}}
+    assert reach_lines(*_reports(gone, new, reach))[-1] == (
+        f"    reach unknown: {gone} is not on this machine (the gate diffs the trees the "
+        "reports name)")
+    assert reach_lines(*_reports(new, new, reach)) == []  # the same tree: no bump

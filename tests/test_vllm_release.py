@@ -251,3 +251,24 @@ def test_a_missing_release_is_fetched_or_the_offline_command_named(
     assert list(tmp_path.iterdir()) == []
     fake_release(tmp_path / "0.31.0", version="0.31.0")
     assert fetch_missing(release_specs(names)) == []  # there already; paths are left alone
+
+
+def test_a_release_utility_runs_from_the_release_without_its_failing_imports(
+        tmp_path: Path) -> None:
+    """A kernel file's utility module comes from its own release; a statement of it that
+    cannot run here (a serving dependency's import) is skipped and named."""
+    tree = fake_release(tmp_path / "tree")
+    kernel = tree / "vllm/v1/attention/ops/triton_unified_attention.py"
+    kernel.write_text(kernel.read_text().replace(
+        "from vllm.v1.attention.ops.fake_helpers import fill_value",
+        "from vllm.quant_helpers import fill_value"))
+    (tree / "vllm/quant_helpers.py").write_text(
+        "import not_a_serving_dependency\n\n\ndef fill_value():\n    return 0.0\n")
+    backend = TritonUnifiedAttention().with_options({"vllm": str(tree)})
+    loading = backend.versions()["vllm_loading"]
+    assert "v1/attention/ops/triton_unified_attention.py, quant_helpers.py; " in loading
+    assert ("quant_helpers.py without its line 1 (ModuleNotFoundError: No module named "
+            "'not_a_serving_dependency')") in loading
+    assert "imports left to the venv's vLLM: vllm.triton_utils" in loading
+    result = run_case(CASE, TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.DISAGREE  # the release's fill_value ran: zeros
