@@ -11,13 +11,16 @@ condition; with ``arch=gfx1201`` the candidate disagrees and the planted line ra
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from difftest.backends.triton_unified import TritonUnifiedAttention
+from difftest.backends.torch_ref import TorchReference
+from difftest.backends.triton_unified import TritonUnifiedAttention, kernel_path
 from difftest.backends.vllm_aiter import VllmAiter
 from difftest.backends.vllm_arch import ARCHES, arch_of, on_arch
 from difftest.backends.vllm_release import ReleaseError, release_root
@@ -26,6 +29,7 @@ from difftest.gate import gate, reach_lines
 from difftest.reach import LineTrace, file_reach, merge_reach
 from difftest.registry import RegistryError, select
 from difftest.report import build_report
+from difftest.runner import Status, run_case
 from difftest.session import Session
 
 OLD = """\
@@ -207,3 +211,21 @@ def test_a_reach_it_cannot_measure_says_why(tmp_path: Path) -> None:
         f"    reach unknown: {gone} is not on this machine (the gate diffs the trees the "
         "reports name)")
     assert reach_lines(*_reports(new, new, reach)) == []  # the same tree: no bump
+
+
+@pytest.mark.skipif(not (RELEASE / KERNEL).is_file(),
+                    reason=f"vLLM 0.34.0 is not fetched under {RELEASE.parent} "
+                    "(bash scripts/fetch_vllm.sh 0.34.0)")
+def test_an_emulated_arch_may_move_a_3d_batch_to_2d() -> None:
+    """vLLM's rule says 3-D for 2 query blocks at threshold 2; gfx1201 halves the threshold
+    for 16-bit decode, so its launch is 2-D, and the adapter accepts that path."""
+    case = dataclasses.replace(DECODE, split_k_segments=16, seq_threshold_3d=2)
+    assert kernel_path(case) == "3D"
+    trace = LineTrace().start()
+    backend = TritonUnifiedAttention().with_options({"vllm": "0.34.0", "arch": "gfx1201"})
+    result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
+    launches = trace.stop(kernel_bodies=True)["launches"]
+    assert result.results[0].status is Status.AGREE
+    assert [k for counts in launches.values() for k in counts] == [
+        "kernel_unified_attention num_warps=2 num_stages=1 TILE_SIZE=16 BLOCK_M=16 BLOCK_Q=8 "
+        "NUM_SEGMENTS_PER_SEQ=1 IS_3D=False"]

@@ -312,7 +312,9 @@ class TritonUnifiedAttention:
         if scratch and bool((ctx > 0).any()):
             ran = "2D" if bool(scratch["softmax_segm_max"].isnan().all()) else "3D"
             expected = kernel_path(case, old_rule="MAX_3D_QUERY_LEN" not in self._source())
-            if ran != expected:
+            # an emulated arch may move a 3-D batch to 2-D (gfx1201 halves the threshold
+            # for 16-bit decode; gfx1100 runs sliding-window batches as 2-D), never back
+            if ran != expected and not (self.arch is not None and ran == "2D"):
                 raise RuntimeError(f"unified_attention ran its {ran} kernel where vLLM's rule "
                                    f"says {expected} (split_k_segments "
                                    f"{case.split_k_segments}, seq_threshold_3d "
