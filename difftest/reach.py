@@ -168,11 +168,15 @@ class _Statements:
 
     def why_not(self, node: ast.stmt, executed: set[int]) -> str:
         """The condition that kept ``node`` out: the innermost enclosing branch whose test
-        ran, or the function never called; else the last statement before it that ran."""
+        ran and never entered it, or the function never called; else the last statement
+        before it that ran in the innermost block that was entered."""
         child: ast.AST = node
-        while child in self.parent:
+        while not isinstance(self.parent.get(child), (ast.Module, type(None))):
             owner = self.parent[child]
             if isinstance(owner, (ast.If, ast.While)) and self.ran(owner, executed):
+                branch = owner.orelse if child in owner.orelse else owner.body
+                if any(self.ran(s, executed) for s in branch):  # entered, left early
+                    break
                 test = " ".join(ast.get_source_segment(self.source, owner.test).split())
                 word = "if" if isinstance(owner, ast.If) else "while"
                 side = "true" if child in owner.orelse else "false"
@@ -181,11 +185,14 @@ class _Statements:
                 if not any(self.ran(s, executed) for s in ast.walk(owner)
                            if isinstance(s, ast.stmt) and s is not owner):
                     return f"function `{owner.name}` (line {owner.lineno}) never ran"
-            if isinstance(owner, (ast.For, ast.AsyncFor)) and self.ran(owner, executed):
+                break
+            if isinstance(owner, (ast.For, ast.AsyncFor)) and self.ran(owner, executed) and (
+                    not any(self.ran(s, executed) for s in owner.body)):
                 return f"loop at line {owner.lineno} never iterated"
             child = owner
-        before = [n for n in self.nodes if n.lineno < node.lineno and self.ran(n, executed)
-                  and self.parent.get(n) is self.parent.get(node)]
+        line = getattr(child, "lineno", node.lineno)
+        before = [n for n in self.nodes if n.lineno < line and self.ran(n, executed)
+                  and self.parent.get(n) is self.parent.get(child)]
         if before:
             return f"its block stopped after line {before[-1].lineno}"
         return "nothing around it ran"

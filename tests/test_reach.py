@@ -229,3 +229,10 @@ def test_an_emulated_arch_may_move_a_3d_batch_to_2d() -> None:
     assert [k for counts in launches.values() for k in counts] == [
         "kernel_unified_attention num_warps=2 num_stages=1 TILE_SIZE=16 BLOCK_M=16 BLOCK_Q=8 "
         "NUM_SEGMENTS_PER_SEQ=1 IS_3D=False"]
+
+
+def test_a_hunk_after_an_early_return_names_where_its_block_stopped() -> None:
+    old = "def f(x):\n    if x:\n        return 1\n    return 2\n"
+    new = "def f(x):\n    if x:\n        return 1\n        y = 3\n    return 2\n"
+    reach = file_reach("f.py", old, new, {1, 2, 3}, kernel_bodies=True)
+    assert reach is not None and reach.hunks[0].reason == "its block stopped after line 3"
