@@ -266,7 +266,8 @@ def test_a_release_utility_runs_from_the_release_without_its_failing_imports(
         "import not_a_serving_dependency\n\n\ndef fill_value():\n    return 0.0\n")
     backend = TritonUnifiedAttention().with_options({"vllm": str(tree)})
     loading = backend.versions()["vllm_loading"]
-    assert "v1/attention/ops/triton_unified_attention.py, quant_helpers.py; " in loading
+    assert "files (under _difftest_vllm_0_0_7_" in loading
+    assert ": quant_helpers.py, v1/attention/ops/triton_unified_attention.py; " in loading
     assert ("quant_helpers.py without its line 1 (ModuleNotFoundError: No module named "
             "'not_a_serving_dependency')") in loading
     assert "imports left to the venv's vLLM: vllm.triton_utils" in loading

@@ -97,8 +97,8 @@ class Release:
         """Which modules the loaded kernel files ran: the release's files (those executed
         without a failing import named with it) and the venv's modules."""
         finder = self._finder(arch)
-        files = ", ".join(finder.ran) or "none yet"
-        skipped = "".join(f"; {line}" for line in finder.skipped)
+        files = ", ".join(sorted(finder.ran)) or "none yet"  # sorted: whatever loaded first
+        skipped = "".join(f"; {line}" for line in sorted(finder.skipped))
         venv = ", ".join(sorted(finder.venv)) or "none"
         emulated = (f"; vllm.platforms and vllm.platforms.rocm emulated for {arch}"
                     if arch else "")
