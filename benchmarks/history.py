@@ -6,9 +6,9 @@
 
 Each pair is a release with a known bug and the release that fixed it, as backend names
 (``triton-unified[vllm=<version>]``: :mod:`difftest.backends.vllm_release` resolves versions
-under ``$DIFFTEST_VLLM_ROOT``; fetch them with ``scripts/fetch_vllm.sh VERSION``). Per pair
-the cases are exactly the ones ``difftest run --no-corpus --backends <buggy> --examples N
---seed S`` draws: the capability-aware default strategy
+under ``$DIFFTEST_VLLM_ROOT``; the missing ones are fetched first, and offline the error says
+what to run elsewhere). Per pair the cases are exactly the ones ``difftest run --no-corpus
+--backends <buggy> --examples N --seed S`` draws: the capability-aware default strategy
 (``Capabilities.probe([buggy], device).strategy()``) through
 :func:`difftest.cases.generate.generated_cases`, drawn once in the main process (the ids'
 hash is reported) and handed to worker processes (``--workers``, default 2), which split the
@@ -65,6 +65,7 @@ from hypothesis import strategies as st
 from difftest import devices
 from difftest.backend import Backend, RunInputs
 from difftest.backends.vllm_paged_decode import loads_unread_slots_outside_the_window
+from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
 from difftest.case import MODE_DEFAULTS, Case, CaseError
 from difftest.jsonfile import write_json
 from difftest.runner import FAILING, CaseResult, Status, run_case
@@ -685,6 +686,11 @@ def main(argv: list[str] | None = None) -> int:
         (b, b.name, f"{b.backend}[vllm={b.buggy}]", f"{b.backend}[vllm={b.fixed}]",
          args.control or b.backend)
         for b in KNOWN_BUGS if b.fixed and (not args.bug or b.name in args.bug)]
+    try:  # the releases the pairs name, fetched where missing
+        fetch_missing(release_specs([n for _, _, *names in pairs for n in names]))
+    except ReleaseError as exc:
+        print(f"history: {exc}", file=sys.stderr)
+        return 2
     outcomes, hunts, agrees, draw_seconds = [], [], [], 0.0
     for target, name, buggy_name, fixed_name, control_name in pairs:
         control = _backend(control_name).name

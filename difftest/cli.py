@@ -243,12 +243,15 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
+    from difftest import devices
+    from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.corpus import load_corpus
     from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
     from difftest.cases.recorded import recorded_runs
     from difftest.plan import RunPlan, execute, session_report
+    from difftest.reach import LineTrace
     from difftest.replay import report_previous_crashes
     from difftest.report import write_report
     from difftest.session import Session
@@ -261,9 +264,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     if job is None:
+        try:  # the releases named by vllm= options or $DIFFTEST_VLLM, fetched once
+            fetch_missing(release_specs(args.backends or []))
+        except ReleaseError as exc:
+            print(f"difftest run: {exc}", file=sys.stderr)
+            return EXIT_UNREADABLE
         args.jobs = _job_count(args.jobs, args.device)
         if args.jobs > 1:
             return _run_jobs(args)
+    trace = LineTrace().start() if args.reach else None
     session = Session.create(args.backends, args.plugin, _device(args.device),
                              args.artifacts, args.reference)
     # the parent of --jobs turns earlier runs' pending cases into crashes, not each job
@@ -283,11 +292,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         progress.step(result, result.failed and shown < FULL_FAILURES)
         if result.failed:
             shown = _print_failure(result, session.plugins, shown)
-    report = session_report(session, {
-        "runner": "difftest run", "examples": args.examples, "seed": args.seed,
-        "corpus": not args.no_corpus, "shard": str(shard) if shard else None,
-        "cases_from": args.cases_from,
-        "generation": list(plan.generation), "case_set": plan.counts()}, earlier)
+    config = {"runner": "difftest run", "examples": args.examples, "seed": args.seed,
+              "corpus": not args.no_corpus, "shard": str(shard) if shard else None,
+              "cases_from": args.cases_from,
+              "generation": list(plan.generation), "case_set": plan.counts()}
+    if trace is not None:
+        config["reach"] = trace.stop(kernel_bodies=devices.interpreted())
+    report = session_report(session, config, earlier)
     session.close()
     document = report.to_dict()
     if args.report:
@@ -360,6 +371,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
     options += [f"--backends={','.join(args.backends)}"] if args.backends else []
     options += ["--no-corpus"] if args.no_corpus else []
     options += [f"--cases-from={args.cases_from}"] if args.cases_from else []
+    options += ["--reach"] if args.reach else []
     options += [f"--shard={args.shard}"] if args.shard else []
     for k, env in enumerate(gpu_envs, 1):
         if env:
@@ -450,7 +462,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     """Compare a candidate report with a baseline; exit 1 on any regression."""
-    from difftest.gate import environment_changes, format_result, gate
+    from difftest.gate import environment_changes, format_result, gate, reach_lines
     from difftest.report import ReportError, read_report
 
     try:
@@ -462,6 +474,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     print(f"baseline {args.baseline} vs candidate {args.candidate}")
     print("environment changes:" if changes else "environment: identical versions")
     for line in changes:
+        print(line)
+    for line in reach_lines(baseline, candidate):  # before the verdict, which ends it
         print(line)
     result = gate(baseline, candidate, args.max_ratio_growth, args.ratio_floor)
     print(format_result(result, show_all=args.all))
@@ -520,6 +534,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "only blind spots; `difftest audit REPORT` prints it later)")
     p.add_argument("--job", help=argparse.SUPPRESS)  # K/N: one process of --jobs N
     p.add_argument("--claims", help=argparse.SUPPRESS)  # the jobs' claimed cases
+    p.add_argument("--reach", action="store_true",
+                   help="record the lines run in the vllm package files (coverage.py), "
+                   "for the gate's reach of a bump's changed code")
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
     p.set_defaults(func=cmd_run)
 

@@ -178,6 +178,14 @@ def environment_changes(baseline: dict[str, Any], candidate: dict[str, Any]) -> 
     return lines
 
 
+def reach_lines(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+    """Which changed lines of the kernel trees the candidate's run executed
+    (:func:`difftest.reach.reach_lines`): a passing gate over unreached code says so."""
+    from difftest.reach import reach_lines as lines
+
+    return lines(baseline, candidate)
+
+
 def _fmt_ratio(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.3g}"
 

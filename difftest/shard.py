@@ -73,10 +73,10 @@ def comparable_case(record: CaseRecord) -> str:
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A report's config without the shard, the processes that ran it, and the audit and the
-    counts of its cases (which differ between shards by design)."""
+    """A report's config without the shard, the processes that ran it, and the audit, the
+    counts and the reach of its cases (which differ between shards by design)."""
     return {k: v for k, v in config.items()
-            if k not in ("shard", "workers", "jobs", "audit", "case_set")}
+            if k not in ("shard", "workers", "jobs", "audit", "case_set", "reach")}
 
 
 def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
@@ -147,6 +147,11 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         from difftest.audit import audit_json
 
         merged["config"]["audit"] = audit_json(merged["cases"], merged["config"]["backends"])
+    if any("reach" in report["config"] for _, report in reports):
+        from difftest.reach import merge_reach
+
+        merged["config"]["reach"] = merge_reach([report["config"].get("reach")
+                                                  for _, report in reports])
     crashes = [c.to_dict() for _, report in reports
                for c in case_records(report, "earlier_crashes")]
     if crashes:  # failures of the shards' machines; the gate must still see them

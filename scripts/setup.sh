@@ -77,6 +77,7 @@ REQUIREMENTS = [
     ("regex", "regex", "runtime", "deps"),
     ("dill", "dill", "runtime", "deps"),
     ("hypothesis", "hypothesis>=6.100", "runtime", "deps"),
+    ("coverage", "coverage>=7.4", "runtime", "deps"),
     ("setuptools", "setuptools>=68", "runtime", "deps"),
     ("pytest", "pytest>=7.4", "test", "deps"),
     ("xdist", "pytest-xdist>=3.5", "test", "optional"),

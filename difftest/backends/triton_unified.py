@@ -41,8 +41,14 @@ import torch
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
-from difftest.backends.vllm_imports import triton_availability, triton_precision, vllm_version
-from difftest.backends.vllm_release import chosen_release
+from difftest.backends.vllm_arch import arch_note, arch_of, record_launches
+from difftest.backends.vllm_imports import (
+    triton_availability,
+    triton_precision,
+    vllm_location,
+    vllm_version,
+)
+from difftest.backends.vllm_release import chosen_release, resolve
 from difftest.case import Case
 from difftest.dtypes import dtype_name, torch_dtype
 from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
@@ -116,20 +122,24 @@ class TritonUnifiedAttention:
     in_page_orders = ("plain",)
 
     def __init__(self, allow_interpreter_bf16: bool = False, vllm: str | None = None,
-                 allow_interpreter_fp8_query: bool = False) -> None:
+                 allow_interpreter_fp8_query: bool = False, arch: str | None = None) -> None:
         self.allow_interpreter_bf16 = allow_interpreter_bf16
         self.allow_interpreter_fp8_query = allow_interpreter_fp8_query
         self._loaded: dict[str, Any] = {}  # the kernel, its source, its signature check
         self.release, self.release_error = chosen_release(vllm)
-        self.name = f"triton-unified[vllm={vllm}]" if vllm else "triton-unified"
+        self.arch = arch_of(arch) if arch else None
+        given = [f"vllm={vllm}"] * bool(vllm) + [f"arch={arch}"] * bool(arch)
+        self.name = f"triton-unified[{','.join(given)}]" if given else "triton-unified"
 
     def with_options(self, options: Mapping[str, str]) -> TritonUnifiedAttention:
-        """``vllm=<version or path>``: the vLLM release whose kernel runs."""
-        unknown = sorted(set(options) - {"vllm"})
+        """``vllm=<version or path>``: the vLLM release whose kernel runs; ``arch=<gfx...>``:
+        its launchers make that AMD architecture's choices (:mod:`~.vllm_arch`)."""
+        unknown = sorted(set(options) - {"vllm", "arch"})
         if unknown:
-            raise ValueError(f"triton-unified: unknown option {unknown[0]!r} (options: vllm)")
+            raise ValueError(f"triton-unified: unknown option {unknown[0]!r} (options: vllm, "
+                             "arch)")
         return TritonUnifiedAttention(self.allow_interpreter_bf16, options.get("vllm"),
-                                      self.allow_interpreter_fp8_query)
+                                      self.allow_interpreter_fp8_query, options.get("arch"))
 
     def availability(self) -> Availability:
         """Needs vLLM (the chosen release's kernel file where one is named), and a GPU or
@@ -175,7 +185,7 @@ class TritonUnifiedAttention:
                     "(it asserts q_descale is None)")
         from vllm.platforms import current_platform
 
-        platform = dtype_name(current_platform.fp8_dtype())
+        platform = self.arch.fp8 if self.arch else dtype_name(current_platform.fp8_dtype())
         if case.kv_dtype != platform:
             return (f"fp8 queries in {case.kv_dtype}: vLLM applies q_descale only to queries "
                     f"of its platform's fp8 dtype, {platform}")
@@ -220,13 +230,19 @@ class TritonUnifiedAttention:
                     "triton_interpret": str(devices.interpreted()),
                     "kernel_path": "2-D; 3-D where a case's split_k_segments and "
                     "seq_threshold_3d make vLLM choose it (the audit's seq_threshold_3D "
-                    "label per case; checked from the scratch after each run)"}
-        if self.release is not None:
-            kernel = self.release.find(*KERNEL_FILES)
-            versions.update(vllm=self.release.version, vllm_path=str(self.release.package),
-                            vllm_loading=f"{kernel} and its sibling kernel modules executed "
-                            f"under {self.release.module_prefix}; vllm.platforms, envs and "
-                            f"triton_utils from the venv's vLLM {vllm_version()}")
+                    "label per case; checked from the scratch after each run)",
+                    "vllm_path": vllm_location()}
+        if self.release is not None or self.arch is not None:
+            release = self.release or resolve(vllm_location())
+            try:
+                self._kernel()
+                loading = release.loading(self.arch and self.arch.name)
+            except Exception as exc:  # the run reports it as the backend's error
+                loading = f"loading failed: {exc!r}"
+            versions.update(vllm=release.version, vllm_path=str(release.package),
+                            vllm_loading=f"{loading} ({vllm_version()})")
+        if self.arch is not None:
+            versions["arch"] = arch_note(self.arch)
         return versions
 
     def _kernel(self) -> Callable[..., Any]:
@@ -237,13 +253,16 @@ class TritonUnifiedAttention:
         return self._loaded["kernel"]
 
     def _load_kernel(self) -> Callable[..., Any]:
-        if self.release is None:
+        if self.release is None and self.arch is None:
             from vllm.v1.attention.ops import triton_unified_attention as module
         else:
-            kernel = self.release.find(*KERNEL_FILES)
+            release = self.release or resolve(vllm_location())
+            kernel = release.find(*KERNEL_FILES)
             if kernel is None:
                 raise RuntimeError(self.availability().reason)
-            module = self.release.load(kernel)
+            module = release.load(kernel, self.arch and self.arch.name)
+            if self.arch is not None:  # the launch hook: the parameters the arch chose
+                record_launches(module, ("kernel_unified_attention", "reduce_segments"))
         return module.unified_attention
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
@@ -293,7 +312,9 @@ class TritonUnifiedAttention:
         if scratch and bool((ctx > 0).any()):
             ran = "2D" if bool(scratch["softmax_segm_max"].isnan().all()) else "3D"
             expected = kernel_path(case, old_rule="MAX_3D_QUERY_LEN" not in self._source())
-            if ran != expected:
+            # an emulated arch may move a 3-D batch to 2-D (gfx1201 halves the threshold
+            # for 16-bit decode; gfx1100 runs sliding-window batches as 2-D), never back
+            if ran != expected and not (self.arch is not None and ran == "2D"):
                 raise RuntimeError(f"unified_attention ran its {ran} kernel where vLLM's rule "
                                    f"says {expected} (split_k_segments "
                                    f"{case.split_k_segments}, seq_threshold_3d "

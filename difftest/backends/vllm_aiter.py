@@ -18,9 +18,16 @@ length gets the causal length as its context, which cuts duplicated blocks short
 declared semantics attends every copy (finding F14, :func:`difftest.sparse_table.aiter_table_rows`;
 vLLM assumes the indexer selects each row's own block). A case with such a row is
 unsupported unless the option ``irregular=accept`` forces it through (then it disagrees).
+
+``vllm-aiter@emulated[vllm=0.34.0]`` (or ``vllm=/path/to/tree``, or ``$DIFFTEST_VLLM``) runs
+that release's ``amd/ops/sparse_pa.py`` instead of the venv's
+(:mod:`difftest.backends.vllm_release`); releases without it are unavailable, with the reason.
 """
 
 from __future__ import annotations
+
+import types
+from collections.abc import Mapping
 
 import torch
 
@@ -41,6 +48,7 @@ from difftest.backends.vllm_imports import (
     vllm_location,
     vllm_version,
 )
+from difftest.backends.vllm_release import chosen_release
 from difftest.backends.vllm_triton_sparse import sparse_decode_labels
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
@@ -48,6 +56,7 @@ from difftest.kernel_call import kernel_call
 from difftest.registry import OptionSpec
 from difftest.sparse_table import aiter_table_differs, selection_is_canonical
 
+KERNEL_FILE = "models/minimax_m3/amd/ops/sparse_pa.py"
 IRREGULAR = {"irregular": ("refuse", "accept")}
 REAL_OPTIONS = OptionSpec("vllm-aiter", IRREGULAR)
 EMULATED_VLLM_OPTIONS = OptionSpec("vllm-aiter@emulated",
@@ -78,14 +87,46 @@ class VllmAiter(GluonCaller):
     real_options = REAL_OPTIONS
     emulated_options = EMULATED_VLLM_OPTIONS
 
+    def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
+        options = dict(options or {})
+        spec = options.pop("vllm", None)
+        super().__init__(emulated, options)
+        self.vllm = spec
+        self.release, self.release_error = chosen_release(spec)
+        if spec:  # a free-form value: listed after the others, as given
+            self.name = (f"{self.name[:-1]},vllm={spec}]" if self.name.endswith("]")
+                         else f"{self.name}[vllm={spec}]")
+
+    def with_options(self, options: Mapping[str, str]) -> VllmAiter:
+        """The same backend configured by ``options`` (relative to the defaults);
+        ``vllm=<version or path>`` names the vLLM release whose ``sparse_pa.py`` runs."""
+        return VllmAiter(self.emulated, options)
+
+    def _sparse_pa(self) -> types.ModuleType:
+        """The chosen release's ``amd/ops/sparse_pa.py`` (:mod:`~.vllm_release`), else the
+        venv's."""
+        if self.release is None:
+            return import_minimax_m3("amd.ops.sparse_pa")
+        kernel = self.release.find(KERNEL_FILE)
+        if kernel is None:
+            raise RuntimeError(self.availability().reason)
+        return self.release.load(kernel)
+
     def availability(self) -> Availability:
-        """vLLM's Triton builder must run here and its module import; real AITER besides
-        unless emulated."""
+        """vLLM's Triton builder must run here and its module import (a named release must
+        have the MiniMax-M3 AITER decode); real AITER besides unless emulated."""
+        if self.release_error:
+            return Availability(False, self.release_error)
+        if self.release is not None and self.release.find(KERNEL_FILE) is None:
+            return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
+                                f"has no MiniMax-M3 AITER decode ({KERNEL_FILE})")
         triton = triton_availability()
         if not triton.available:
             return triton
         if not self.emulated and not (real := aiter_availability()).available:
             return real
+        if self.release is not None:  # its imports are the release loader's
+            return Availability(True)
         return kernel_availability("amd.ops.sparse_pa")
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
@@ -95,7 +136,8 @@ class VllmAiter(GluonCaller):
                 and not selection_is_canonical(case)):
             rows = aiter_table_differs(case)
             if rows:
-                accepting = self.with_options({**self.options, "irregular": "accept"})
+                accepting = self.with_options({**self.options, "irregular": "accept",
+                                               **({"vllm": self.vllm} if self.vllm else {})})
                 return cut_short_reason(case, rows, accepting.name)
         return reason
 
@@ -109,15 +151,24 @@ class VllmAiter(GluonCaller):
         commit, or the emulator's revision."""
         import triton
 
-        import_minimax_m3("amd.ops.sparse_pa")
-        versions = {"vllm": vllm_version(), "vllm_path": vllm_location(),
-                    "vllm_loading": minimax_m3_loading(), "torch": torch.__version__,
-                    "triton": triton.__version__}
+        versions = {"torch": torch.__version__, "triton": triton.__version__}
+        if self.release is not None:
+            try:
+                self._sparse_pa()
+                loading = self.release.loading()
+            except Exception as exc:  # the run reports it as the backend's error
+                loading = f"loading failed: {exc!r}"
+            versions |= {"vllm": self.release.version, "vllm_path": str(self.release.package),
+                         "vllm_loading": f"{loading} ({vllm_version()})"}
+        else:
+            import_minimax_m3("amd.ops.sparse_pa")
+            versions |= {"vllm": vllm_version(), "vllm_path": vllm_location(),
+                         "vllm_loading": minimax_m3_loading()}
         return {**self._kernel_versions(), **versions}
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """``minimax_m3_sparse_attn_decode_aiter`` over every query row."""
-        sparse_pa = import_minimax_m3("amd.ops.sparse_pa")
+        sparse_pa = self._sparse_pa()
         case = inputs.case
         cache = inputs.cache("shuffled")
         output = inputs.output(torch_dtype(case.query_dtype))

@@ -35,6 +35,7 @@ releases without the MiniMax-M3 decode are unavailable, with the reason.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -163,23 +164,29 @@ class VllmTritonSparse:
         versions = {"triton": triton.__version__,
                     "triton_interpret": str(devices.interpreted()), **self.options}
         if self.release is not None:
+            try:
+                self._sparse_attn()
+                loading = self.release.loading()
+            except Exception as exc:  # the run reports it as the backend's error
+                loading = f"loading failed: {exc!r}"
             return {"vllm": self.release.version, "vllm_path": str(self.release.package),
-                    "vllm_loading": f"{KERNEL_FILE} executed under "
-                    f"{self.release.module_prefix}; vllm.platforms and triton_utils from the "
-                    f"venv's vLLM {vllm_version()}", **versions}
+                    "vllm_loading": f"{loading} ({vllm_version()})", **versions}
         import_minimax_m3("common.ops.sparse_attn")
         return {"vllm": vllm_version(), "vllm_path": vllm_location(),
                 "vllm_loading": minimax_m3_loading(), **versions}
 
+    def _sparse_attn(self) -> types.ModuleType:
+        """The chosen release's ``sparse_attn.py`` (:mod:`~.vllm_release`), else the venv's."""
+        if self.release is None:
+            return import_minimax_m3("common.ops.sparse_attn")
+        kernel = self.release.find(KERNEL_FILE)
+        if kernel is None:
+            raise RuntimeError(self.availability().reason)
+        return self.release.load(kernel)
+
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``minimax_m3_sparse_attn_decode`` call over every query row."""
-        if self.release is None:
-            sparse_attn = import_minimax_m3("common.ops.sparse_attn")
-        else:
-            kernel = self.release.find(KERNEL_FILE)
-            if kernel is None:
-                raise RuntimeError(self.availability().reason)
-            sparse_attn = self.release.load(kernel)
+        sparse_attn = self._sparse_attn()
         case = inputs.case
         cache = inputs.cache("plain")
         sides = [block_sides(view, cache.block_page_stride, case.num_blocks, case.block_size)
