@@ -191,6 +191,8 @@ def load_plugin(spec: str) -> list[Backend]:
             raise RegistryError(f"--plugin {spec}: importing {path} failed: "
                                 f"{type(exc).__name__}: {exc}") from exc
     else:
+        if str(Path.cwd()) not in sys.path and "" not in sys.path:
+            sys.path.append(str(Path.cwd()))  # as `python -m` would: a checkout's own modules
         try:
             module = importlib.import_module(target)
         except Exception as exc:  # ImportError, or whatever the module raises as it loads

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -62,3 +66,18 @@ def test_a_plugin_that_fails_to_import_is_a_registry_error(tmp_path) -> None:
     with pytest.raises(RegistryError, match=r"importing .*broken.py failed: "
                                             r"ModuleNotFoundError: No module named 'nosuchdep'"):
         discover([str(broken)])
+
+
+def test_a_module_plugin_is_found_in_the_current_directory(tmp_path: Path) -> None:
+    """``--plugin pkg.module`` from the console script finds a module of the directory it runs
+    in (a checkout's ``mutants.catalog``), as ``python -m`` would."""
+    (tmp_path / "myplugins").mkdir()
+    (tmp_path / "myplugins" / "__init__.py").write_text("")
+    (tmp_path / "myplugins" / "ref.py").write_text(
+        "from difftest.backends.torch_ref import TorchReference\n\n\n"
+        "class Mine(TorchReference):\n    name = 'mine'\n\n\nDIFFTEST_BACKENDS = [Mine()]\n")
+    script = Path(sys.executable).with_name("difftest")
+    result = subprocess.run([str(script), "backends", "--plugin", "myplugins.ref"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert any(line.split()[:2] == ["mine", "available"] for line in result.stdout.splitlines())
