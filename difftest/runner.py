@@ -290,13 +290,23 @@ def _calling(hooks: Sequence[RunHooks], case: Case, backend: str, stage: str) ->
     return stack
 
 
+def _pages_missing(case: Case, backend: Backend) -> str | None:
+    """Why ``backend`` cannot read ``case``'s cache: an in-page order it reads that the case's
+    layout does not have (vLLM's split cache has no shuffled pages), else ``None``."""
+    for order in backend.in_page_orders:
+        if order not in case.layout.in_page_orders:
+            return (f"it reads {order} pages, and layout {case.kv_layout} has none (its "
+                    f"in-page orders: {', '.join(case.layout.in_page_orders)})")
+    return None
+
+
 def _orders_built(case: Case, backends: Sequence[Backend], device: torch.device) -> set[str]:
     """The in-page orders whose caches this case will build: those of the backends that run
     it (a support check that raises counts its backend in, as building may still follow)."""
     orders = set()
     for backend in backends:
         try:
-            runs = (backend.availability().available
+            runs = (backend.availability().available and _pages_missing(case, backend) is None
                     and backend.unsupported_reason(case, device) is None)
         except Exception:
             runs = True
@@ -313,7 +323,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     if not availability.available:
         return BackendResult(backend.name, Status.UNAVAILABLE, detail=availability.reason)
     try:
-        reason = backend.unsupported_reason(case, device)
+        reason = _pages_missing(case, backend) or backend.unsupported_reason(case, device)
     except Exception:
         return BackendResult(backend.name, Status.ERROR,
                              detail=f"deciding whether it supports the case failed:\n"

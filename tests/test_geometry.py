@@ -323,3 +323,21 @@ def test_triton_unified_agrees_on_a_row_of_top_k_32_past_2048_tokens() -> None:
     result = run_case(case, TorchReference(), [TritonUnifiedAttention()], CPU).results[0]
     assert build_rows(case)[0].context_len == 2177
     assert result.status is Status.AGREE, result.detail
+
+
+class ReadsShuffled(TorchReference):
+    """A backend that reads shuffled pages (and returns the reference)."""
+
+    name = "reads-shuffled"
+    in_page_orders = ("shuffled",)
+
+
+def test_a_backend_reading_pages_the_layout_lacks_is_unsupported() -> None:
+    split = dense(32, 64, 1, 1, "split", seq_lens=(40,))
+    result = run_case(split, TorchReference(), [ReadsShuffled()], CPU).results[0]
+    assert result.status is Status.UNSUPPORTED
+    assert result.detail == ("it reads shuffled pages, and layout split has none (its in-page "
+                             "orders: plain)")
+    planes = split.replace(kv_layout="LHBNC")
+    assert run_case(planes, TorchReference(), [ReadsShuffled()], CPU).results[0].status is \
+        Status.AGREE

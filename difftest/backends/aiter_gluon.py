@@ -369,9 +369,10 @@ GLUON_FIXED = {
     "sinks": "MiniMax-M3 passes no sinks (sparse_pa.py: sinks=None)",
     "sliding_window": "MiniMax-M3 has no window; both pa_decode_gluon callers refuse such cases",
     "ps": "vLLM's MiniMax-M3 path passes ps=True (forced by AITER when one partition)",
-    "head_dim": "the case model holds it (difftest/case.py validate)",
-    "page_size": "vLLM's MiniMax-M3 sparse PA passes 16-token pages only",
-    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+    "head_dim": "MiniMax-M3's: other geometry is refused (gluon_unsupported)",
+    "page_size": "vLLM's MiniMax-M3 sparse PA passes 16-token pages only; other geometry is "
+                 "refused (gluon_unsupported)",
+    "num_kv_heads": "MiniMax-M3's one KV head: other geometry is refused (gluon_unsupported)",
 }
 
 

@@ -75,6 +75,9 @@ MODE_OFF = (f"{M3} keeps this mode off; the kernel modes (difftest/cases/modes.p
             "on")
 TWO_D = ("None without split-K scratch (the 2-D kernel, as MiniMax-M3's decode); the split-K "
          "mode hands over scratch so vLLM picks 2-D or 3-D by shape")
+SPARSE_GEOMETRY = ("the sparse family keeps MiniMax-M3's geometry (head dim 128, 16-token pages, "
+                   "one KV head); the dense family (difftest/cases/dense.py, one example per "
+                   "five) varies it")
 FIXED = {  # why a parameter of unified_attention does not vary (values still shown)
     "causal": "the sparse table ends each row at its own token; over a query_lens sequence "
               "it is the causal mask within the request",
@@ -92,9 +95,7 @@ FIXED = {  # why a parameter of unified_attention does not vary (values still sh
     "chunk_lookback": f"{M3} has no chunked attention",
     "use_td": "tensor descriptors are an Intel Xe path",
     "mm_prefix_clamp_sliding_window": "a Gemma4 switch",
-    "head_dim": "the case model holds it (difftest/case.py validate)",
-    "page_size": "the framework's page-16 views (difftest/case.py validate)",
-    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+    "head_dim": SPARSE_GEOMETRY, "page_size": SPARSE_GEOMETRY, "num_kv_heads": SPARSE_GEOMETRY,
 }
 
 

@@ -207,8 +207,10 @@ class VllmTritonSparse:
         return output
 
 
-ONE_KV_HEAD = "the case model holds one KV head (difftest/case.py)"
-CASE_MODEL = "the case model holds it (difftest/case.py validate)"
+ONE_KV_HEAD = ("MiniMax-M3's one KV head: other geometry is refused (unsupported_reason, "
+               "Case.outside_model_geometry)")
+CASE_MODEL = ("MiniMax-M3's: other geometry is refused (unsupported_reason, "
+              "Case.outside_model_geometry)")
 
 
 def sparse_decode_labels(case: Case, arguments: Mapping[str, Any]) -> dict[str, str]:
