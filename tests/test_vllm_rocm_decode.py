@@ -55,7 +55,8 @@ def test_each_runs_the_mode_its_kernel_has_and_refuses_the_others() -> None:
     window, softcap = BASE.replace(sliding_window=40), BASE.replace(softcap=5.0)
     assert paged.unsupported_reason(softcap, CPU) == \
         "kernel_paged_attention_2d has no logit softcap"
-    assert split.unsupported_reason(window, CPU) == "decode_attention_fwd has no sliding window"
+    assert split.unsupported_reason(window, CPU) == \
+        "vLLM 0.33.0's decode_attention_fwd has no sliding window"
     assert "F1" in (split.unsupported_reason(BASE.replace(kv_dtype="bfloat16"), CPU) or "")
     for backend, case in [(paged, window), (split, softcap)]:
         (outcome,) = run_case(case, TorchReference(), [backend], CPU).results
@@ -181,3 +182,46 @@ def test_a_nan_slot_past_seq_len_poisons_0_14_0_and_not_0_30_0(version: str,
         assert bool(out.isnan().all())
     else:
         assert (out.float() - weights @ v[:length].float()).abs().max() < 1e-3
+
+
+def test_decode_attention_of_0_34_0_runs_the_sliding_window() -> None:
+    """vLLM 0.34.0's decode_attention_fwd takes ``sliding_window`` (the last W keys)."""
+    from difftest.backends.vllm_release import ReleaseError
+
+    try:
+        split = VllmDecodeAttention("0.34.0")
+    except ReleaseError as err:
+        pytest.skip(str(err))
+    _available(split)
+    (outcome,) = run_case(BASE.replace(sliding_window=40, canary=True), TorchReference(),
+                          [split], CPU).results
+    assert outcome.status is Status.AGREE, outcome.detail
+    assert outcome.calls[0].arguments["sliding_window"].label == "40"
+
+
+
+# a dense case of the default run: vLLM's split layout (plain pages only), 64-token pages,
+# head size 256, 2 KV heads of 16 query heads each, three MTP rows
+SPLIT = Case.from_dict({
+    "schema": "difftest.case/1", "num_blocks": 6, "seq_lens": [128],
+    "block_tables": [[5, 0]], "selections": [[0, 1], [0, 1], [0, 1]], "decode_query_len": 3,
+    "num_q_heads": 32, "num_kv_heads": 2, "head_dim": 256, "page_size": 64,
+    "block_size": 64, "kv_layout": "split", "softmax_scale": 0.0625,
+    "distribution": "uniform", "seed": 267114565, "dense": True})
+
+
+def test_the_standard_v_mode_runs_vllms_split_layout() -> None:
+    """Where the release reads the shuffled cache (0.33.0) a split-layout case is refused
+    with the reason; a release without the interleaved-V mode (0.30.0) runs it over the plain
+    pages and agrees."""
+    from difftest.backends.vllm_release import ReleaseError
+
+    assert "has no shuffled pages" in (VllmPagedDecode().unsupported_reason(SPLIT, CPU) or "")
+    try:
+        old = VllmPagedDecode("0.30.0")
+    except ReleaseError as err:
+        pytest.skip(str(err))
+    _available(old)
+    (outcome,) = run_case(SPLIT, TorchReference(), [old], CPU).results
+    assert outcome.status is Status.AGREE, outcome.detail
+    assert "INTERLEAVED_V_PACK_FACTOR" not in outcome.calls[0].arguments

@@ -11,8 +11,9 @@ K 8 pages longer than V, are passed untrimmed and one page id addresses both.
 
 Each query row is its own sequence over the framework's page-16 sparse table
 (``req_to_token``). The case's softcap is ``logit_cap``; ``num_kv_splits`` is the case's
-``split_k_segments`` where set, else 4. The kernel has no sliding window and no query
-descale. A row of context 0 writes ``0 / 0``: its output is undefined (NaN). Native on a
+``split_k_segments`` where set, else 4; the case's sliding window ``W`` is ``sliding_window``
+(the last ``W`` keys, vLLM 0.34.0 and later; earlier releases refuse windows). The kernel has
+no query descale. A row of context 0 writes ``0 / 0``: its output is undefined (NaN). Native on a
 GPU; on the CPU under ``TRITON_INTERPRET=1`` (bf16 queries and bf16 caches excluded there:
 finding F1).
 
@@ -90,18 +91,18 @@ class VllmDecodeAttention:
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """bf16 queries or a bf16 cache under the interpreter (F1); one 16-bit query head
-        per KV head (F29); sliding windows and fp8 queries (no such parameter); e4m3fnuz on
-        NVIDIA GPUs."""
+        per KV head (F29); sliding windows before 0.34.0 and fp8 queries (no such parameter);
+        e4m3fnuz on NVIDIA GPUs."""
         if device.type == "cpu" and "bfloat16" in (case.query_dtype, case.kv_dtype):
             return INTERPRETER_BF16_FINDING  # P @ V is a dot in V's dtype
         if case.num_q_heads == case.num_kv_heads and case.query_dtype != "float32":
             return MHA_PRODUCTS
-        if case.sliding_window:
-            return "decode_attention_fwd has no sliding window"
+        if case.sliding_window and "sliding_window" not in self._parameters():
+            version = self.release.version if self.release else vllm_version()
+            return f"vLLM {version}'s decode_attention_fwd has no sliding window"
         if case.q_scale:
             return "decode_attention_fwd has no query descale (fp8 queries)"
-        if case.is_fp8 and "k_scale" not in inspect.signature(
-                self._load().decode_attention_fwd).parameters:
+        if case.is_fp8 and "k_scale" not in self._parameters():
             version = self.release.version if self.release else vllm_version()
             return f"vLLM {version}'s decode_attention_fwd has no k_scale/v_scale (fp8 caches)"
         if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
@@ -134,6 +135,9 @@ class VllmDecodeAttention:
             versions.update(vllm=self.release.version, vllm_path=str(self.release.package))
         return versions
 
+    def _parameters(self) -> tuple[str, ...]:
+        return tuple(inspect.signature(self._load().decode_attention_fwd).parameters)
+
     def _load(self) -> Any:
         if self._module is None:
             if self.release is None:
@@ -161,6 +165,8 @@ class VllmDecodeAttention:
             attn_logits=torch.empty((*heads, splits, case.head_dim + 1), **f32),
             num_kv_splits=splits, sm_scale=case.softmax_scale, page_size=case.page_size,
             logit_cap=case.softcap)
+        if case.sliding_window:  # the last W keys of the row (0.34.0 and later)
+            arguments["sliding_window"] = case.sliding_window
         if case.is_fp8:  # left out otherwise: 0.14.0's kernel has no scale parameters
             arguments["k_scale"], arguments["v_scale"] = inputs.scales()
         decode_attention_fwd(**arguments)

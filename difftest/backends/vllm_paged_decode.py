@@ -51,6 +51,7 @@ from difftest.sparse_table import build_rows
 KERNEL_FILE = "v1/attention/ops/chunked_prefill_paged_decode.py"
 MODULE = "vllm.v1.attention.ops.chunked_prefill_paged_decode"
 MAX_TRITON_BLOCK_SIZE = 128  # the wrapper's cap on the Triton tile
+NON_POW2_TILE = 32  # the wrapper's tile for page sizes that are not a power of 2
 INTERPRETER_BF16_FINDING = (
     "bfloat16 queries under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
     "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
@@ -71,7 +72,7 @@ FIXED = {
                            "sparse table (the decode rows of MTP too)",
     "num_queries_per_kv_padded": "max(next_power_of_2(num_queries_per_kv), 16): 16 for every "
                                  "GQA group of at most 16 heads; " + SHAPES,
-    "BLOCK_SIZE": "min(page size, 128): the page size; " + SHAPES,
+    "BLOCK_SIZE": "min(page size, 128), 32 for a page size not a power of 2; " + SHAPES,
     "PHYSICAL_BLOCK_SIZE": "the page size (value_cache.shape[3]); " + SHAPES,
     "HEAD_SIZE": SHAPES, "HEAD_SIZE_PADDED": SHAPES, "x": "16 // itemsize of the cache",
     "INTERLEAVED_V_PACK_FACTOR": "16 // itemsize of the cache: the shuffled V is always "
@@ -142,6 +143,11 @@ class VllmPagedDecode:
             return INTERPRETER_BF16_FINDING
         if case.softcap:
             return "kernel_paged_attention_2d has no logit softcap"
+        if self.in_page_orders[0] not in case.layout.in_page_orders:
+            return (f"the {case.kv_layout} layout has no {self.in_page_orders[0]} pages: "
+                    f"vLLM {self._version()}'s ROCM_ATTN decode reads AITER's shuffled cache "
+                    "through its interleaved-V mode (the standard-V mode over plain pages runs "
+                    "on releases without it)")
         if case.q_scale:
             return "kernel_paged_attention_2d has no query descale (fp8 queries)"
         if not case.is_fp8 and case.query_dtype != case.kv_dtype:
@@ -222,7 +228,8 @@ class VllmPagedDecode:
             block_table_stride=table.stride(0),
             query_stride_0=query.stride(0), query_stride_1=query.stride(1),
             output_stride_0=out.stride(0), output_stride_1=out.stride(1),
-            BLOCK_SIZE=min(case.page_size, MAX_TRITON_BLOCK_SIZE),
+            BLOCK_SIZE=(min(page, MAX_TRITON_BLOCK_SIZE) if page & (page - 1) == 0
+                        else NON_POW2_TILE),
             PHYSICAL_BLOCK_SIZE=value.shape[3], HEAD_SIZE=case.head_dim,
             HEAD_SIZE_PADDED=triton.next_power_of_2(case.head_dim),
             USE_ALIBI_SLOPES=False, SLIDING_WINDOW=case.sliding_window, x=key.shape[4],
