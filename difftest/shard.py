@@ -73,10 +73,11 @@ def comparable_case(record: CaseRecord) -> str:
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A report's config without the shard, the processes that ran it, and the audit, the
-    counts and the reach of its cases (which differ between shards by design)."""
+    """A report's config without the shard, the processes that ran it, and the audit and the
+    reach of its cases (which differ between shards by design). ``case_set`` counts the whole
+    case set in every shard, so it is compared like the rest."""
     return {k: v for k, v in config.items()
-            if k not in ("shard", "workers", "jobs", "audit", "case_set", "reach")}
+            if k not in ("shard", "workers", "jobs", "audit", "reach")}
 
 
 def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
@@ -139,10 +140,6 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         "cases": [cases[k].to_dict() for k in sorted(cases)],
         "merged_from": merged_from,
     }
-    counted = [report["config"]["case_set"] for _, report in reports
-               if report["config"].get("case_set")]
-    if counted:  # the joined case set's counts: each shard counted its own cases
-        merged["config"]["case_set"] = {k: sum(c.get(k, 0) for c in counted) for k in counted[0]}
     if any("audit" in report["config"] for _, report in reports):  # of the joined case set
         from difftest.audit import audit_json
 

@@ -14,6 +14,7 @@ import pytest
 from difftest import cli
 from difftest.case import Case
 from difftest.cases.corpus import load_corpus
+from difftest.cases.dense import dense_examples
 from difftest.cases.generate import generated_cases
 from difftest.jsonfile import write_json
 from difftest.records import CaseRecord, ResultRecord, Status
@@ -71,7 +72,8 @@ def test_four_shards_merged_equal_the_unsharded_report(shard_reports) -> None:
     whole, parts, merged = shard_reports
     unsharded, joined = read_report(whole), read_report(merged)
     sizes = [len(read_report(p)["cases"]) for p in parts]
-    assert sum(sizes) == len(unsharded["cases"]) == 8 and max(sizes) < 8
+    drawn = 8 + dense_examples(8)  # --examples 8: the sparse examples, then the dense ones
+    assert sum(sizes) == len(unsharded["cases"]) == drawn and max(sizes) < drawn
     for k, part in enumerate(parts, start=1):
         report = read_report(part)
         assert report["config"]["shard"] == f"{k}/{SHARDS}"
