@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -108,6 +108,7 @@ class JobsOutcome:
     crashes: list[CaseRecord]
     problems: list[str]
     interrupted: Interrupted | None = None
+    in_flight: list[dict[str, Any]] = field(default_factory=list)  # the jobs' stopped cases
 
 
 def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
@@ -169,8 +170,9 @@ def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
                     for record in _finished(path)]
     if not reports and not salvaged:
         return JobsOutcome(None, crashes, problems, interrupted)
-    for _, report in reports:
-        report["config"].pop("interrupted", None)
+    in_flight = [case for _, report in reports
+                 for case in (report["config"].pop("interrupted", None) or {}).get(
+                     "in_flight", [])]
     # the jobs share one config, so the only warnings are of --shard's other shards missing
     merged = merge_reports(reports)[0] if reports else None
     if merged is not None:
@@ -182,7 +184,7 @@ def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
     if salvaged:
         problems.append(f"{len(salvaged)} case(s) finished by jobs that wrote no report were "
                         "taken from their records")
-    return JobsOutcome(merged, crashes, problems, interrupted)
+    return JobsOutcome(merged, crashes, problems, interrupted, in_flight)
 
 
 def _finished(report: Path) -> list[CaseRecord]:

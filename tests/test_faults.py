@@ -318,6 +318,25 @@ def test_a_killed_job_loses_none_of_its_finished_cases(tmp_path: Path) -> None:
     assert list((tmp_path / "art" / "jobs").iterdir()) == []
 
 
+def test_an_interrupted_jobs_run_merges_the_jobs_partial_reports(tmp_path: Path) -> None:
+    """Ctrl-C under --jobs printed three interleaved tracebacks and wrote nothing."""
+    proc, report, marks = _slow_run(tmp_path, "--jobs", "2", env={"SLOW_ALL": "1"})
+    _sleeper(marks, proc)
+    proc.send_signal(signal.SIGINT)  # the parent passes it on to its jobs
+    _, err = proc.communicate(timeout=LIMIT)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert len([x for x in err.splitlines() if "interrupted by SIGINT" in x]) == 1, err
+    written = json.loads(report.read_text())
+    assert "disagree" in {c["results"][0]["status"] for c in written["cases"]}
+    assert "crash" not in {c["results"][0]["status"] for c in written["cases"]}
+    stopped = written["config"]["interrupted"]
+    assert stopped["signal"] == "SIGINT"
+    assert "slow" in {case["running"] for case in stopped["in_flight"]}
+    assert _pending_files(tmp_path) == []
+    assert list((tmp_path / "art" / "jobs").iterdir()) == []
+
+
 def test_a_killed_parent_takes_its_jobs_along_and_the_next_run_cleans_up(
         tmp_path: Path) -> None:
     """SIGKILL of the parent of --jobs leaked its temporary directory (and its jobs ran on)."""
