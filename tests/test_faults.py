@@ -299,6 +299,40 @@ def test_an_interrupted_run_writes_a_partial_report_and_blames_no_kernel(
     assert report_previous_crashes(str(tmp_path / "art"), "the next run") == []
 
 
+PYTEST_CASES = '''
+import pytest
+from difftest.case import Case
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_tiny(seed, check_case):
+    check_case(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),
+                    selections=((0, 1),), seed=seed))
+'''
+
+
+def test_an_interrupted_pytest_session_blames_no_kernel(tmp_path: Path) -> None:
+    """A pytest session stopped mid-case (Ctrl-C, a CI timeout's SIGINT) left the case
+    pending, and the next run reported it as a crash of the backend that was running."""
+    (tmp_path / "slow.py").write_text(SLOW)
+    (tmp_path / "test_tiny.py").write_text(PYTEST_CASES)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--difftest-plugin",
+         "slow.py", "--difftest-backends", "slow", "test_tiny.py"], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=os.environ | {"SLOW_MARKS": str(marks), "OMP_NUM_THREADS": "1",
+                          "HYPOTHESIS_PROFILE": "ci"})
+    _sleeper(marks, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=LIMIT)
+    assert proc.returncode == 2, out[-3000:]  # pytest's "interrupted"
+    art = tmp_path / "difftest-artifacts"
+    assert sorted((art / "pending").glob("*")) == []
+    assert report_previous_crashes(str(art), "the next run") == []
+
+
 def test_a_killed_job_loses_none_of_its_finished_cases(tmp_path: Path) -> None:
     """Under --jobs 2, SIGKILL of one job: its finished cases (a disagreement among them)
     were missing from the report, and its crash was labelled an earlier run's."""
