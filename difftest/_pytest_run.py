@@ -363,7 +363,11 @@ class DifftestRun:
     def _run(self, case: Case, backends: tuple[str, ...] | None) -> CaseResult:
         """Run ``case`` on ``backends`` (all when ``None``), log it, fail on a failure."""
         session = self.session()
-        result = session.run(case, backends)
+        try:
+            result = session.run(case, backends)
+        except BaseException:  # Ctrl-C or a timeout mid-case: it neither finished nor
+            session.store.abandon()  # crashed a backend, so no later run may blame one
+            raise
         nodeid = self._item.nodeid if self._item is not None else None
         self.log.write("case", record=session.records[-1].in_pytest(self.writer, nodeid).to_dict())
         if self._item is not None:

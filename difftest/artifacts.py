@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,23 +34,28 @@ from typing import Any
 import torch
 
 from difftest.case import Case, CaseError
+from difftest.casefile import CaseFileError, case_from_object, read_case
 from difftest.coverage import case_features
 from difftest.fingerprint import fingerprint
-from difftest.jsonfile import JSONFileError, read_json, write_json, write_text
+from difftest.jsonfile import JSONFileError, read_bounded, read_json, write_json, write_text
 from difftest.records import CaseRecord, RecordError, ResultRecord, Status
 
 DEFAULT_ROOT = "difftest-artifacts"
+_RUNNING_BYTES = 4096  # a backend name
 
 
 def repro_command(path: Path | str, plugins: Iterable[str] = ()) -> str:
     """The command that replays an artifact directory or case file (with the plug-ins that
-    provided its backends)."""
-    return " ".join([f"difftest repro {path}", *(f"--plugin {p}" for p in plugins)])
+    provided its backends), shell-quoted: pasting it runs exactly that."""
+    words = ["difftest", "repro", str(path)]
+    for plugin in plugins:
+        words += ["--plugin", plugin]
+    return shlex.join(words)
 
 
 def promote_command(path: Path | str, name: str = "NAME") -> str:
-    """The command that pins the case of an artifact directory into the corpus."""
-    return f"difftest promote {path} {name}"
+    """The command that pins the case of an artifact directory into the corpus (quoted)."""
+    return shlex.join(["difftest", "promote", str(path), name])
 
 
 def output_digest(output: torch.Tensor) -> str:
@@ -92,6 +98,7 @@ class ArtifactStore:
         self.environment = environment
         self._in_flight: dict[str, dict[str, Any]] = {}
         self._outputs: dict[str, dict[str, str]] = {}
+        self.damaged: dict[Path, str] = {}  # pending files :meth:`pending` could not read
 
     def _pending_path(self, case: Case) -> Path:
         return self.pending_dir / f"{case.case_id}.{os.getpid()}.json"
@@ -130,6 +137,7 @@ class ArtifactStore:
         fsyncs it) but may be attributed to no backend. One fsync per case instead of one per
         backend (each 1 to 6 ms)."""
         if case.case_id in self._in_flight:
+            self._in_flight[case.case_id]["running"] = backend
             write_text(self._running_path(case), backend, durable=False)
 
     def record_output(self, case: Case, backend: str, output: torch.Tensor) -> str:
@@ -146,12 +154,27 @@ class ArtifactStore:
         """Drop ``case``'s pending file; when ``record`` failed, write the failure directory,
         set ``record.artifact`` to it and return it."""
         in_flight = self._in_flight.pop(case.case_id, None)
-        if record.failed:
-            environment = in_flight["environment"] if in_flight else fingerprint()
-            record.artifact = str(self.write_failure(case, record, environment))
-        self._running_path(case).unlink(missing_ok=True)
-        self._pending_path(case).unlink(missing_ok=True)
+        try:
+            if record.failed:
+                environment = in_flight["environment"] if in_flight else fingerprint()
+                record.artifact = str(self.write_failure(case, record, environment))
+        finally:  # the case ended (an unwritable failure directory is no crash of a backend)
+            self._running_path(case).unlink(missing_ok=True)
+            self._pending_path(case).unlink(missing_ok=True)
         return record.artifact
+
+    def abandon(self) -> list[tuple[str, str | None]]:
+        """Forget every case in flight (the run was interrupted, so they neither finished nor
+        crashed): their pending files go, so no later run blames a backend. Returns each
+        case id with the stage that was running (``None``: before any)."""
+        left = []
+        for case_id, in_flight in list(self._in_flight.items()):
+            pending = self.pending_dir / f"{case_id}.{os.getpid()}.json"
+            running_path(pending).unlink(missing_ok=True)
+            pending.unlink(missing_ok=True)
+            left.append((case_id, in_flight["running"]))
+            del self._in_flight[case_id]
+        return left
 
     def write_failure(self, case: Case, record: CaseRecord, environment: dict[str, Any],
                       plugins: tuple[str, ...] | None = None) -> Path:
@@ -170,15 +193,18 @@ class ArtifactStore:
         return directory
 
     def pending(self) -> list[PendingCase]:
-        """Every pending case on disk (any process, any host)."""
+        """Every pending case on disk (any process, any host). A file that cannot be read
+        as one (damaged, foreign, of another version) goes to :attr:`damaged` with the
+        reason, for the caller to report; one removed by its owner meanwhile is gone."""
         found: list[PendingCase] = []
         if not self.pending_dir.is_dir():
             return found
         for path in sorted(self.pending_dir.glob("*.json")):
             try:
                 found.append(read_pending(path))
-            except JSONFileError:
-                continue  # removed by its owner right now (writes are atomic: never partial)
+            except JSONFileError as exc:
+                if path.exists():  # else finished by its owner right now
+                    self.damaged[path] = str(exc)
         return found
 
     def crashed(self, pids: set[int] | None = None) -> list[PendingCase]:
@@ -189,7 +215,7 @@ class ArtifactStore:
         """
         domain = pid_domain()
         return [p for p in self.pending() if p.pid_domain in ("", domain) and (
-            p.pid in pids if pids is not None else not _pid_alive(p.pid))]
+            p.pid in pids if pids is not None else not pid_alive(p.pid))]
 
     def record_crash(self, pending: PendingCase, detail: str) -> CaseRecord:
         """Turn a dead process's pending case into a failure directory with status crash."""
@@ -228,23 +254,56 @@ def read_pending(path: Path | str) -> PendingCase:
     """A pending file, with the backend its ``.running`` sibling names (if any);
     :class:`JSONFileError` names the file and the field that is wrong."""
     payload = read_json(path)
-    try:
-        running: str | None = running_path(Path(path)).read_text().strip() or None
-    except FileNotFoundError:
-        running = None
+    sibling = running_path(Path(path))
+    running: str | None = None
+    if sibling.exists():
+        try:
+            running = read_bounded(sibling, _RUNNING_BYTES).strip() or None
+        except JSONFileError as exc:
+            raise JSONFileError(f"{exc} (the backend note of pending case {path})") from exc
     if not isinstance(payload, dict):
         raise JSONFileError(f"{path}: not a pending case file (a JSON object expected)")
     try:
+        backends = payload["backends"]
+        if not (isinstance(backends, list) and backends
+                and all(isinstance(b, str) for b in backends)):
+            raise ValueError(f"backends: {backends!r:.80} (allowed: a non-empty list of "
+                             "names, the reference first)")
+        if isinstance(payload["pid"], bool) or not isinstance(payload["pid"], int):
+            raise ValueError(f"pid: {payload['pid']!r:.40} (allowed: an integer)")
+        plugins = payload.get("plugins", [])
+        if not (isinstance(plugins, list) and all(isinstance(x, str) for x in plugins)):
+            raise ValueError(f"plugins: {plugins!r:.80} (allowed: a list of strings)")
+        environment = payload.get("environment") or {}
+        if not isinstance(environment, dict):
+            raise ValueError("environment: not a JSON object")
         return PendingCase(
-            Path(path), Case.from_dict(payload["case"]), tuple(payload["backends"]),
-            int(payload["pid"]), payload.get("host", ""), payload.get("pid_domain", ""),
-            running or payload.get("running"), payload.get("environment") or {},
-            tuple(payload.get("plugins", ())))
+            Path(path), case_from_object(payload["case"]), tuple(backends), payload["pid"],
+            str(payload.get("host", "")), str(payload.get("pid_domain", "")),
+            running or payload.get("running"), environment, tuple(plugins))
     except KeyError as exc:
         raise JSONFileError(f"{path}: field {exc.args[0]!r} missing: not a pending case "
                             "file") from exc
     except (CaseError, TypeError, ValueError) as exc:
         raise JSONFileError(f"{path}: not a pending case file: {exc}") from exc
+
+
+def read_failure_case(directory: Path) -> Case:
+    """The case of a failure directory (``case.json``), checked against the record beside it
+    (``results.json``, when present): a directory whose two files hold different cases is
+    refused with :class:`~difftest.casefile.CaseFileError` naming both."""
+    case = read_case(directory / "case.json")
+    recorded = directory / "results.json"
+    if recorded.exists():
+        try:
+            record = read_results(recorded)
+        except (JSONFileError, RecordError) as exc:
+            raise CaseFileError(str(exc)) from exc
+        if record.case_id != case.case_id:
+            raise CaseFileError(f"{directory}: case.json holds case {case.case_id} but "
+                                f"results.json records case {record.case_id} (a damaged or "
+                                "hand-assembled failure directory: restore one of them)")
+    return case
 
 
 def read_results(path: Path | str) -> CaseRecord:
@@ -266,7 +325,7 @@ def pid_domain() -> str:
     return f"{platform.node()}/{boot}/{namespace}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie, exited but not yet reaped, counts as gone)."""
     try:
         os.kill(pid, 0)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from difftest.case import Case, CaseError
+from difftest.jsonfile import MAX_DEPTH, JSONFileError, nesting_depth, read_bounded
 
 _MAX_VALUE_TEXT = 60
 
@@ -72,13 +73,19 @@ def case_from_object(data: Any) -> Case:
 
 
 def read_case_json(path: Path) -> Any:
-    """The parsed JSON of ``path``; :class:`CaseFileError` names the file and the problem."""
+    """The parsed JSON of ``path``; :class:`CaseFileError` names the file and the problem
+    (also a file that is not a regular one, too large, or nested too deep:
+    :func:`difftest.jsonfile.read_bounded`)."""
+    if not path.exists():
+        raise CaseFileError(f"cannot read {path}: No such file or directory")
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise CaseFileError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise CaseFileError(f"{path}: not UTF-8 text: {exc}") from exc
+        text = read_bounded(path)
+    except JSONFileError as exc:
+        raise CaseFileError(str(exc)) from exc
+    depth = nesting_depth(text)
+    if depth > MAX_DEPTH:
+        raise CaseFileError(f"{path}: nested {depth} deep (allowed: at most {MAX_DEPTH} "
+                            "levels of arrays and objects)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -24,6 +24,8 @@ from difftest import pinning
 from difftest.artifacts import DEFAULT_ROOT, repro_command
 from difftest.devices import DEVICE_CHOICES
 from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
+from difftest.interrupts import Interrupted, catching_signals
+from difftest.jsonfile import append_json_line
 from difftest.registry import RegistryError, split_names
 
 if TYPE_CHECKING:
@@ -145,6 +147,16 @@ def _backend_names(text: str) -> list[str]:
     if twice:
         raise argparse.ArgumentTypeError(f"{text!r} names {twice[0]!r} twice")
     return names
+
+
+def unavailable_asked(backends: dict[str, dict[str, Any]], asked: Sequence[str] | None,
+                      optional: Sequence[str]) -> list[str]:
+    """One line per backend named with ``--backends`` (and not ``--optional``) that could not
+    run: a run that tested nothing of what was asked for is not a pass."""
+    return [f"backend {name} was asked for and could not run: {entry['reason']} (mark it "
+            f"--optional {name} to run without it)"
+            for name, entry in backends.items()
+            if name in (asked or ()) and name not in optional and not entry["available"]]
 
 
 class UsageError(ValueError):
@@ -269,9 +281,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ReleaseError as exc:
             print(f"difftest run: {exc}", file=sys.stderr)
             return EXIT_UNREADABLE
+        _check_writable(args)
         args.jobs = _job_count(args.jobs, args.device)
         if args.jobs > 1:
             return _run_jobs(args)
+    else:
+        from difftest.jobs import end_with_parent
+
+        end_with_parent()
     trace = LineTrace().start() if args.reach else None
     session = Session.create(args.backends, args.plugin, _device(args.device),
                              args.artifacts, args.reference)
@@ -288,26 +305,57 @@ def cmd_run(args: argparse.Namespace) -> int:
                          if args.cases_from else ())
     progress = Progress(len(plan.runs), job.count if job else 1)
     shown = 0
-    for result in execute(session, plan, Path(args.claims) if job else None):
-        progress.step(result, result.failed and shown < FULL_FAILURES)
-        if result.failed:
-            shown = _print_failure(result, session.plugins, shown)
+    # a job of --jobs keeps each record on disk as it ends: one killed loses none
+    finished = Path(f"{args.report}.records") if job and args.report else None
+    interrupted: Interrupted | None = None
+    try:
+        for result in execute(session, plan, Path(args.claims) if job else None):
+            progress.step(result, result.failed and shown < FULL_FAILURES)
+            if finished is not None:
+                append_json_line(finished, session.records[-1].to_dict())
+            if result.failed:
+                shown = _print_failure(result, session.plugins, shown)
+    except Interrupted as exc:
+        interrupted = exc
     config = {"runner": "difftest run", "examples": args.examples, "seed": args.seed,
               "corpus": not args.no_corpus, "shard": str(shard) if shard else None,
               "cases_from": args.cases_from,
               "generation": list(plan.generation), "case_set": plan.counts()}
     if trace is not None:
         config["reach"] = trace.stop(kernel_bodies=devices.interpreted())
+    if interrupted is not None:  # the case in flight neither finished nor crashed
+        config["interrupted"] = {"signal": interrupted.name, "in_flight": [
+            {"case_id": case_id, "running": running}
+            for case_id, running in session.store.abandon()]}
     report = session_report(session, config, earlier)
     session.close()
     document = report.to_dict()
     if args.report:
         write_report(args.report, document)
+    if interrupted is not None:
+        if job is None:
+            print(f"difftest run: interrupted by {interrupted.name}: "
+                  f"{len(document['cases'])} finished case(s) in a partial report "
+                  f"({args.report or 'not written: no --report'}); the case in flight is "
+                  "recorded as interrupted, not as a crash", file=sys.stderr)
+        return interrupted.exit_status
     if job is not None:
         return 1 if report.failed else 0
     judgement = _print_closing(document, args.report, args.audit)
-    return 1 if report.earlier_crashes or judgement.failed else 0
+    missing = unavailable_asked(document["backends"], args.backends, args.optional)
+    for line in missing:
+        print(f"difftest run: FAILED: {line}", file=sys.stderr)
+    return 1 if report.earlier_crashes or missing or judgement.failed else 0
 
+
+def _check_writable(args: argparse.Namespace) -> None:
+    """Refuse a report or artifacts location that cannot be written, before the first case
+    (``OSError`` naming the path: exit 2)."""
+    from difftest.jsonfile import check_writable
+
+    if args.report:
+        check_writable(args.report)
+    check_writable(args.artifacts, directory=True)
 
 def _print_closing(report: dict[str, Any], path: str | None,
                    full_audit: bool) -> Judgement:
@@ -356,6 +404,7 @@ def _print_closing(report: dict[str, Any], path: str | None,
     return judgement
 
 
+
 def _run_jobs(args: argparse.Namespace) -> int:
     """``difftest run --jobs N``: N processes, one report (:mod:`difftest.jobs`)."""
     from difftest.fingerprint import fingerprint
@@ -376,26 +425,44 @@ def _run_jobs(args: argparse.Namespace) -> int:
     for k, env in enumerate(gpu_envs, 1):
         if env:
             print(f"job {k}/{args.jobs}: {pinning.describe(env)}", file=sys.stderr)
-    report, crashes, problems = run_jobs(options, args.jobs, args.artifacts, gpu_envs)
+    outcome = run_jobs(options, args.jobs, args.artifacts, gpu_envs)
+    problems, crashes = outcome.problems, outcome.crashes
     for problem in problems:
         print(f"difftest run: {problem}", file=sys.stderr)
     for record in crashes:
-        print(f"CRASH case {record.case_id}: replay with "
+        print(f"CRASH case {record.case_id} (a job of this run died in it): replay with "
               f"{repro_command(record.artifact or '-', tuple(args.plugin))}", file=sys.stderr)
-    found = [*earlier, *crashes]
-    if report is None:  # every job died: a report of the crashes alone
+    report = outcome.report
+    if report is None:  # every job died before finishing a case: a report of the crashes
+        problems.append("no job wrote a report")
         print("difftest run: no job wrote a report", file=sys.stderr)
         report = Report(fingerprint(), {"runner": "difftest run"}, {}, []).to_dict()
     report["config"] |= {"shard": args.shard, "jobs": args.jobs}
     if any(gpu_envs):
         report["config"]["job_gpus"] = [pinning.describe(env) for env in gpu_envs]
-    if found:
+    # a job's crash is a case of this run; earlier runs' crashes are not
+    known = {case["case_id"] for case in report["cases"]}
+    report["cases"] += [c.to_dict() for c in crashes if c.case_id not in known]
+    found = [*earlier, *crashes]
+    if earlier:
         report["earlier_crashes"] = report.get("earlier_crashes", []) + [
-            c.to_dict() for c in found]
+            c.to_dict() for c in earlier]
+    if outcome.interrupted is not None:
+        report["config"]["interrupted"] = {"signal": outcome.interrupted.name,
+                                           "in_flight": outcome.in_flight}
+        if args.report:
+            write_report(args.report, report)
+        print(f"difftest run: interrupted by {outcome.interrupted.name}: "
+              f"{len(report['cases'])} finished case(s) in a partial report "
+              f"({args.report or 'not written: no --report'})", file=sys.stderr)
+        return outcome.interrupted.exit_status
     if args.report:
         write_report(args.report, report)
     judgement = _print_closing(report, args.report, args.audit)
-    return 1 if found or problems or judgement.failed else 0
+    missing = unavailable_asked(report["backends"], args.backends, args.optional)
+    for line in missing:
+        print(f"difftest run: FAILED: {line}", file=sys.stderr)
+    return 1 if found or problems or missing or judgement.failed else 0
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -427,11 +494,12 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Pin a case (case JSON or artifact directory) into the regression corpus."""
+    from difftest.artifacts import read_failure_case
     from difftest.casefile import read_case
     from difftest.cases.corpus import CORPUS_DIR, promote
 
     path = Path(args.path)
-    case = read_case(path / "case.json" if path.is_dir() else path)
+    case = read_failure_case(path) if path.is_dir() else read_case(path)
     try:
         written = promote(case, args.name, args.corpus or CORPUS_DIR)
     except ValueError as exc:  # the corpus name
@@ -484,16 +552,16 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw a report as a PNG."""
-    from difftest.plot import plot_report
+    from difftest.plot import PlotUnavailable, plot_report
     from difftest.report import ReportError, read_report
 
     try:
         report = read_report(args.report)
-    except ReportError as exc:
+        output = args.output or str(Path(args.report).with_suffix(".png"))
+        print(f"wrote {plot_report(report, output)}")
+    except (ReportError, PlotUnavailable) as exc:
         print(f"difftest plot: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    output = args.output or str(Path(args.report).with_suffix(".png"))
-    print(f"wrote {plot_report(report, output)}")
     return 0
 
 
@@ -516,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_session_options(p)
     p.add_argument("--backends", type=_backend_names, metavar="NAMES",
                    help="comma-separated backends under test (default: every known one)")
+    p.add_argument("--optional", type=_backend_names, default=[], metavar="NAMES",
+                   help="backends of --backends that may be unavailable without failing "
+                   "the run")
     p.add_argument("--examples", type=_count, default=20,
                    help="generated examples (each may add variants fitted to the backends "
                    "that refuse it)")
@@ -603,7 +674,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        with catching_signals():
+            return int(args.func(args))
+    except Interrupted as exc:  # outside a run's cases: nothing partial to keep
+        print(f"difftest {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_status
     except (RegistryError, CaseError, CaseFileError, VisibilityError, UsageError, OSError,
             json.JSONDecodeError, JSONFileError, RecordError) as exc:
         print(f"difftest {args.command}: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ Every (case id, backend) of the baseline is judged against the candidate. The ga
   run is not a pass, whatever the other side did; and a case it supported that it no longer
   supports;
 * a case id listed more than once in either report (which entry would be judged?);
+* a partial report on either side (``config.interrupted``: the run was stopped by a signal);
 * error/tolerance that grew more than ``max_ratio_growth`` times, where the candidate's
   ratio is above ``ratio_floor`` (tiny ratios jitter without meaning anything);
 * a crash an earlier process of the candidate left behind (``earlier_crashes``).
@@ -98,6 +99,12 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
          ratio_floor: float = DEFAULT_RATIO_FLOOR) -> GateResult:
     """Compare ``candidate`` with ``baseline`` (two reports over the same case set)."""
     findings = _backend_findings(baseline["backends"], candidate["backends"])
+    for side, report in (("baseline", baseline), ("candidate", candidate)):
+        stop = report["config"].get("interrupted")
+        if stop:
+            signal = stop.get("signal", "a signal") if isinstance(stop, dict) else "a signal"
+            findings.append(f"the {side} is a partial report: its run was interrupted by "
+                            f"{signal}")
     for crash in case_records(candidate, "earlier_crashes"):
         replay = (f"replay with {repro_command(crash.artifact, crash.plugins or ())}"
                   if crash.artifact else "no artifact directory")

@@ -16,6 +16,15 @@ that died into a crash artifact (as the next run would), and merges the jobs' re
 :func:`difftest.shard.merge_reports`: the report is the one a single process writes, but for
 timings, ``config.jobs`` and ``merged_from`` (the cases each job ran).
 
+Nothing a job finished is lost when it dies: each job appends every record to
+``<its report>.records`` as the case ends, and the parent takes the records of a job that
+wrote no report from there. The jobs import the parent's ``difftest`` (``PYTHONSAFEPATH``, its
+directory first on ``PYTHONPATH``), never one in the current directory, and end with the
+parent (``PR_SET_PDEATHSIG``: SIGTERM, on Linux). Their directory lives under the artifacts
+(``jobs/<pid>.*``); one whose parent died is removed by the next ``--jobs`` run. An
+interrupt (SIGINT, SIGTERM) reaches every job, each writes its partial report, and the
+parent merges them and says which signal stopped the run.
+
 Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread for torch and for
 numpy's BLAS (whose threads otherwise spin against the other jobs: the README's main job
 took 61.6 s with two jobs at the default threads, 43.6 s with one each). The BLAS thread
@@ -26,21 +35,30 @@ same ``OMP_NUM_THREADS``; the fingerprint records it and a replay shows it.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from difftest import pinning
-from difftest.artifacts import ArtifactStore
-from difftest.records import CaseRecord
+from difftest.artifacts import ArtifactStore, pid_alive, pid_domain
+from difftest.fingerprint import fingerprint
+from difftest.interrupts import Interrupted
+from difftest.jsonfile import JSONFileError, loads
+from difftest.records import CaseRecord, RecordError
+from difftest.report import build_report
 from difftest.shard import merge_reports
 
 Run = TypeVar("Run")
+PARENT_ENV = "DIFFTEST_JOBS_PARENT"  # a job's parent's pid
 MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many (each job holds torch and vLLM)
 
 
@@ -80,18 +98,40 @@ def claimed(runs: Iterable[Run], claims: Path) -> Iterator[Run]:
         yield run
 
 
+@dataclass
+class JobsOutcome:
+    """What the jobs left: the merged report (None if no job wrote one and none finished a
+    case), the crash records of jobs that died, what went wrong, and the signal that
+    interrupted the run (None if none did)."""
+
+    report: dict[str, Any] | None
+    crashes: list[CaseRecord]
+    problems: list[str]
+    interrupted: Interrupted | None = None
+    in_flight: list[dict[str, Any]] = field(default_factory=list)  # the jobs' stopped cases
+
+
 def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
-             gpu_envs: Sequence[dict[str, str]] = ()
-             ) -> tuple[dict[str, Any] | None, list[CaseRecord], list[str]]:
+             gpu_envs: Sequence[dict[str, str]] = ()) -> JobsOutcome:
     """Run ``difftest run <options>`` as ``jobs`` processes, job ``k`` with the visibility
-    variables ``gpu_envs[k]`` (:func:`job_environments`; none on the CPU); return the merged
-    report (None if no job wrote one), the crash records of jobs that died, and what went
-    wrong."""
+    variables ``gpu_envs[k]`` (:func:`job_environments`; none on the CPU), and join what they
+    did."""
+    import difftest
+
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONSAFEPATH"] = "1"  # the current directory's difftest must not shadow ours
+    ours = str(Path(difftest.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([ours, *filter(None, [env.get("PYTHONPATH")])])
+    env[PARENT_ENV] = str(os.getpid())
     envs = [env | (dict(gpu_envs[k]) if k < len(gpu_envs) else {}) for k in range(jobs)]
     problems: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="difftest-jobs-") as tmp:
+    interrupted: Interrupted | None = None
+    root = Path(artifacts) / "jobs"
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(root)
+    with tempfile.TemporaryDirectory(prefix=f"{os.getpid()}.", dir=root) as tmp:
+        (Path(tmp) / "owner").write_text(pid_domain())
         paths = [Path(tmp) / f"job-{k}.json" for k in range(1, jobs + 1)]
         claims = Path(tmp) / "claims"
         claims.mkdir()
@@ -105,24 +145,98 @@ def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
                   for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
         for relay in relays:
             relay.start()
-        for relay in relays:
-            relay.join()
+        try:
+            for relay in relays:
+                relay.join()
+        except Interrupted as exc:  # the jobs end their cases as interrupted, then report
+            interrupted = exc
+            _stop(procs, exc.signum)
+            for relay in relays:
+                relay.join()
         dead = set()
         for k, proc in enumerate(procs, 1):
-            if proc.wait() not in (0, 1):
-                dead.add(proc.pid)
-                problems.append(f"job {k}/{jobs} died (exit status {proc.returncode}) in the "
-                                "case it left pending; the cases it had not claimed went to "
-                                "the other jobs, while any lived")
+            status = proc.wait()
+            if status in (0, 1) or (interrupted and status == interrupted.exit_status):
+                continue
+            dead.add(proc.pid)
+            problems.append(f"job {k}/{jobs} died (exit status {status}) in the case it left "
+                            "pending; the cases it had not claimed went to the other jobs, "
+                            "while any lived")
         crashes = ArtifactStore(artifacts).recover_crashes(
             "found by difftest run --jobs when its job died", dead) if dead else []
         reports = [(f"job {k}/{jobs}", _read(path)) for k, path in enumerate(paths, 1)
                    if path.is_file()]
-    if not reports:
-        return None, crashes, problems
+        salvaged = [record for path in paths if not path.is_file()
+                    for record in _finished(path)]
+    if not reports and not salvaged:
+        return JobsOutcome(None, crashes, problems, interrupted)
+    in_flight = [case for _, report in reports
+                 for case in (report["config"].pop("interrupted", None) or {}).get(
+                     "in_flight", [])]
     # the jobs share one config, so the only warnings are of --shard's other shards missing
-    merged, _ = merge_reports(reports)
-    return merged, crashes, problems
+    merged = merge_reports(reports)[0] if reports else None
+    if merged is not None:
+        known = {case["case_id"] for case in merged["cases"]}
+        merged["cases"] += [r.to_dict() for r in salvaged if r.case_id not in known]
+        merged["cases"].sort(key=lambda case: case["case_id"])
+    elif salvaged:
+        merged = build_report(salvaged, {}, {"runner": "difftest run"}, fingerprint())
+    if salvaged:
+        problems.append(f"{len(salvaged)} case(s) finished by jobs that wrote no report were "
+                        "taken from their records")
+    return JobsOutcome(merged, crashes, problems, interrupted, in_flight)
+
+
+def _finished(report: Path) -> list[CaseRecord]:
+    """The records a job appended as its cases ended (a killed job's last line may be cut)."""
+    lines = Path(f"{report}.records")
+    if not lines.is_file():
+        return []
+    records = []
+    for n, line in enumerate(lines.read_text().splitlines(), start=1):
+        try:
+            records.append(CaseRecord.from_dict(loads(line, f"{lines} line {n}"), ""))
+        except (JSONFileError, RecordError):
+            break  # cut by the kill: the cases before it are whole
+    return records
+
+
+def _stop(procs: Sequence[subprocess.Popen[str]], signum: int, grace: float = 60.0) -> None:
+    """Pass ``signum`` on to every live job, then wait ``grace`` seconds for each to write its
+    partial report before killing it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def end_with_parent() -> None:
+    """In a job, before its first case: be sent SIGTERM when the parent dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere a killed parent leaves its jobs to finish on their own),
+    and stop now if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.environ.get(PARENT_ENV) not in (None, str(os.getppid())):
+        raise Interrupted(signal.SIGTERM)
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove the job directories of ``--jobs`` runs that died (their pid gone, here)."""
+    domain = pid_domain()
+    for directory in root.iterdir():
+        pid = directory.name.partition(".")[0]
+        try:
+            owner = (directory / "owner").read_text()
+        except OSError:
+            continue
+        if pid.isdigit() and owner == domain and not pid_alive(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -6,6 +6,11 @@ strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` instead (docs/report-schem
 "Strict JSON"); the readers of numeric fields turn them back with :func:`number`.
 :func:`read_json` still accepts the bare tokens, so reports written before read as before.
 
+Every file read here is untrusted: only a regular file is read (a FIFO would block, a device
+such as ``/dev/zero`` never ends), at most :data:`MAX_BYTES` of it, and its JSON may nest at
+most :data:`MAX_DEPTH` deep (deeper would reach Python's recursion limit in the parser or in
+the readers after it); each refusal is a :class:`JSONFileError` naming the file.
+
 :func:`write_json` (and :func:`write_text`) write the whole text to a temporary file in the
 target's directory, fsync it and rename it over the target: a reader, or a process killed
 mid-write, sees the old file or the new one, never a part. :func:`append_json_line` adds one
@@ -17,11 +22,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 NONFINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+MAX_BYTES = 1 << 30  # a report of thousands of production-shape cases is tens of MB
+MAX_DEPTH = 64  # reports nest 8 deep
+_STRINGS_OR_TEXT = re.compile(r'"(?:[^"\\]|\\.)*"|[^\[\]{}"]+')
 
 
 class JSONFileError(ValueError):
@@ -72,19 +82,57 @@ def write_text(path: Path | str, text: str, durable: bool = True) -> Path:
     skips the fsync: the file then survives a crash of this process (the kernel holds it)
     but not necessarily one of the machine."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:  # name the file asked for, not the temporary one
+        raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would ignore the user's umask
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()
             if durable:
                 os.fsync(fh.fileno())
         os.replace(tmp, target)
+    except OSError as exc:  # disk full, file too large: name the file asked for
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}") from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return target
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (changing it
+    briefly would race with other threads creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_writable(path: Path | str, directory: bool = False) -> None:
+    """Raise ``OSError`` naming ``path`` when a file could not be written there (read-only
+    location, no permission), found by creating and removing a file in the nearest existing
+    directory: before a run, not after its last case. ``directory``: ``path`` is a directory
+    files will be written in."""
+    target = Path(path).absolute()
+    where = target if directory else target.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".difftest-probe-")
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot write {path} ({exc.strerror} in {where})") from exc
+    os.close(fd)
+    os.unlink(probe)
 
 
 def write_json(path: Path | str, value: Any, indent: int | None = 1) -> Path:
@@ -105,11 +153,28 @@ def append_json_line(path: Path | str, value: Any) -> None:
         fh.write(line)
 
 
+def nesting_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings do not
+    count), without parsing it."""
+    depth = deepest = 0
+    for char in _STRINGS_OR_TEXT.sub("", text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
+
+
 def loads(text: str, where: str) -> Any:
     """Parse JSON ``text`` (strict, or with the bare non-finite tokens of older files);
     :class:`JSONFileError` names ``where`` and says what is wrong."""
     if not text.strip():
         raise JSONFileError(f"{where}: empty (not JSON)")
+    depth = nesting_depth(text)
+    if depth > MAX_DEPTH:
+        raise JSONFileError(f"{where}: nested {depth} deep (allowed: at most {MAX_DEPTH} "
+                            "levels of arrays and objects)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
@@ -135,22 +200,41 @@ def _unclosed(text: str) -> bool:
     return in_string or depth > 0
 
 
-def read_json(path: Path | str) -> Any:
-    """Parse a JSON file; :class:`JSONFileError` names the file and what is wrong."""
+def read_bounded(path: Path | str, limit: int | None = None) -> str:
+    """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes;
+    :class:`JSONFileError` names the file when it is missing, not a regular file (a FIFO, a
+    device, a directory), larger (default :data:`MAX_BYTES`), or not UTF-8."""
+    limit = MAX_BYTES if limit is None else limit
     try:
-        text = Path(path).read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     except OSError as exc:
         raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise JSONFileError(f"{path}: is {kind} (allowed: a regular file)")
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    if len(data) > limit:
+        raise JSONFileError(f"{path}: larger than {limit} bytes (allowed: at most {limit})")
+    try:
+        return data.decode()
     except UnicodeDecodeError as exc:
         raise JSONFileError(f"{path}: not JSON (not UTF-8 text: {exc.reason})") from exc
-    return loads(text, str(path))
+
+
+def read_json(path: Path | str) -> Any:
+    """Parse a JSON file; :class:`JSONFileError` names the file and what is wrong."""
+    return loads(read_bounded(path), str(path))
 
 
 def read_json_lines(path: Path | str) -> list[Any]:
     """Every non-blank line of a JSON-lines file, parsed; errors name the file and line."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    text = read_bounded(path)
     return [loads(line, f"{path} line {n}")
             for n, line in enumerate(text.splitlines(), start=1) if line.strip()]

@@ -36,9 +36,18 @@ def points(report: dict[str, Any]) -> dict[str, list[tuple[int, int, float]]]:
     return found
 
 
+class PlotUnavailable(RuntimeError):
+    """The plotting library is missing; the message says what to install."""
+
+
 def plot_report(report: dict[str, Any], path: Path | str, title: str | None = None) -> Path:
-    """Draw the report's three panels into a PNG at ``path``."""
-    import matplotlib
+    """Draw the report's three panels into a PNG at ``path``; :class:`PlotUnavailable`
+    when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotUnavailable("matplotlib is not installed (pip install 'difftest[plot]', "
+                              "or pip install matplotlib)") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

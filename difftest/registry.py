@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import os
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -171,6 +172,20 @@ def _as_backends(obj: Any, origin: str) -> list[Backend]:
     raise RegistryError(f"{origin}: {obj!r} is not a difftest Backend")
 
 
+def _import_from_here(target: str) -> ModuleType:
+    """Import the module ``target``; when its top-level package is not importable, also
+    from the current directory, as ``python -m`` would (the console script's ``sys.path``
+    lacks it). The directory goes last, so it never shadows an installed module."""
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        here = os.getcwd()
+        if exc.name != target.partition(".")[0] or here in sys.path or "" in sys.path:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(target)
+
+
 def load_plugin(spec: str) -> list[Backend]:
     """Backends from ``module:attr``, ``module`` or ``path/to/file.py[:attr]``."""
     target, _, attr = spec.partition(":")
@@ -194,7 +209,7 @@ def load_plugin(spec: str) -> list[Backend]:
         if str(Path.cwd()) not in sys.path and "" not in sys.path:
             sys.path.append(str(Path.cwd()))  # as `python -m` would: a checkout's own modules
         try:
-            module = importlib.import_module(target)
+            module = _import_from_here(target)
         except Exception as exc:  # ImportError, or whatever the module raises as it loads
             raise RegistryError(f"--plugin {spec}: {type(exc).__name__}: {exc}") from exc
     if attr and not hasattr(module, attr):

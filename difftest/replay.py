@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from difftest.artifacts import ArtifactStore, read_results, repro_command
+from difftest.artifacts import ArtifactStore, read_failure_case, read_results, repro_command
 from difftest.case import Case, CaseError
-from difftest.casefile import CaseFileError, case_from_object, read_case, read_case_json
+from difftest.casefile import CaseFileError, case_from_object, read_case_json
 from difftest.records import CaseRecord
 
 REPLAYS = "replays"  # where difftest repro keeps its own artifacts, under --artifacts
@@ -27,6 +27,9 @@ def report_previous_crashes(root: str, found_by: str) -> list[CaseRecord]:
     records = []
     for store in (ArtifactStore(root), ArtifactStore(Path(root) / REPLAYS)):
         records += store.recover_crashes(f"found by {found_by} after the process died")
+        for path, problem in store.damaged.items():
+            print(f"WARNING damaged pending file {path}: {problem}; no crash can be recovered "
+                  "from it: look at it, then delete it", file=sys.stderr)
     for record in records:
         print(f"CRASH case {record.case_id} (an earlier run died in it): replay with "
               f"{repro_command(record.artifact or '-', record.plugins or ())}",
@@ -40,7 +43,7 @@ def load_source(path: Path) -> tuple[Case, dict[str, Any] | None, dict[str, Any]
     if path.is_dir():
         recorded = path / "results.json"
         environment = path / "fingerprint.json"
-        return (read_case(path / "case.json"),
+        return (read_failure_case(path),
                 read_results(recorded).to_dict() if recorded.is_file() else None,
                 read_case_json(environment) if environment.is_file() else None)
     payload = read_case_json(path)

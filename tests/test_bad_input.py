@@ -18,6 +18,7 @@ import dataclasses
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -258,6 +259,86 @@ def test_a_report_that_is_no_report(workspace: Path, report_text: str) -> None:
             path.write_text(text)
         for argv in _report_commands(path, good, workspace / "earlier.json"):
             refused(argv, workspace, f"{path}", expected)
+
+
+# ----- hostile files: deep, endless, blocking, oversized -----------------------------------
+
+def _all_readers(path: Path, good: Path, workspace: Path) -> list[list[str]]:
+    """Every command that reads a user's JSON file, pointed at ``path``."""
+    return [["repro", str(path), "--artifacts", str(workspace / "art")],
+            ["promote", str(path), "x", "--corpus", str(workspace / "corpus")],
+            *_report_commands(path, good, workspace / "earlier.json")]
+
+
+@contextlib.contextmanager
+def within(seconds: int) -> Iterator[None]:
+    """Fail instead of hanging: SIGALRM after ``seconds``."""
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"still reading after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("shape", ["[", '{"a":'])
+def test_deeply_nested_json_is_refused_by_every_reader(workspace: Path, report_text: str,
+                                                       shape: str) -> None:
+    """100,000 levels reached Python's recursion limit (``RecursionError``, exit 1, which
+    ``gate`` means as "failed")."""
+    good = workspace / "good.json"
+    good.write_text(report_text)
+    deep = workspace / "deep.json"
+    deep.write_text(shape * 100_000)
+    for argv in _all_readers(deep, good, workspace):
+        refused(argv, workspace, f"{deep}: nested 100000 deep (allowed: at most 64 levels")
+
+
+def test_devices_and_fifos_are_refused_without_reading(workspace: Path, report_text: str,
+                                                       tmp_path_factory: pytest.TempPathFactory
+                                                       ) -> None:
+    """``/dev/zero`` was read without bound (8 GB in 13 s) and a FIFO hung every reader."""
+    good = workspace / "good.json"
+    good.write_text(report_text)
+    fifo = tmp_path_factory.mktemp("fifo") / "pipe.json"  # outside what refused() snapshots
+    os.mkfifo(fifo)
+    with within(60):
+        for path, kind in ((Path("/dev/zero"), "a device"), (fifo, "a FIFO")):
+            for argv in _all_readers(path, good, workspace):
+                refused(argv, workspace, f"{path}: is {kind} (allowed: a regular file)")
+
+
+def test_an_oversized_file_is_refused(workspace: Path, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    from difftest import jsonfile
+
+    good = workspace / "good.json"
+    big = workspace / "big.json"
+    big.write_text(" " * 2000 + "{}")
+    monkeypatch.setattr(jsonfile, "MAX_BYTES", 1000)
+    for argv in [*_all_readers(big, good, workspace)[:2], ["gate", str(big), str(big)]]:
+        refused(argv, workspace, f"{big}: larger than 1000 bytes (allowed: at most 1000)")
+
+
+def test_a_failure_directory_of_two_cases_is_refused(workspace: Path) -> None:
+    """case.json of one case beside results.json of another was replayed and promoted."""
+    directory = workspace / "art" / "failures" / TINY.case_id
+    from difftest.coverage import case_features
+    from difftest.records import CaseRecord
+
+    other = TINY.replace(seed=99)
+    (directory / "results.json").write_text(json.dumps(CaseRecord(
+        case_id=other.case_id, name="", case=other.to_dict(), features=case_features(other),
+        reference="torch-ref", results=[]).to_dict()))
+    message = (f"{directory}: case.json holds case {TINY.case_id} but results.json records "
+               f"case {other.case_id}")
+    refused(["repro", str(directory), "--artifacts", str(workspace / "replays")], workspace,
+            message)
+    refused(["promote", str(directory), "x", "--corpus", str(workspace / "corpus")], workspace,
+            message)
 
 
 # ----- CLI options -----------------------------------------------------------------------

@@ -256,3 +256,14 @@ def test_a_duplicated_case_id_fails(tmp_path, capsys, baseline, side) -> None:
     assert code == 1
     assert (f"FAIL case {first['case_id']} is listed 2 times in the {side} (each case once; "
             "rerun or merge the shards)") in out
+
+
+@pytest.mark.parametrize("side", ["baseline", "candidate"])
+def test_a_partial_report_fails(tmp_path, capsys, baseline, side) -> None:
+    """A run stopped by Ctrl-C writes the cases it finished, marked interrupted."""
+    partial = copy.deepcopy(baseline)
+    partial["config"]["interrupted"] = {"signal": "SIGINT", "in_flight": []}
+    pair = (baseline, partial) if side == "candidate" else (partial, baseline)
+    code, out = _gate(tmp_path, capsys, *pair)
+    assert code == 1
+    assert f"FAIL the {side} is a partial report: its run was interrupted by SIGINT" in out

@@ -58,11 +58,14 @@ def test_two_jobs_write_the_report_one_process_writes(tmp_path: Path) -> None:
 
 def test_jobs_that_die_leave_crashes_in_the_report(tmp_path: Path) -> None:
     """Both jobs die (exit 77) in their first case of a seed divisible by 3: each leaves a
-    crash artifact, and the report (written though no job wrote one) lists them."""
+    crash artifact, and the report (written though no job wrote one) lists them as cases of
+    this run, beside the cases the jobs finished before."""
     code, report, text = _run(tmp_path, "crash", "--backends", "crasher", "--examples", "6",
                               "--seed", "1", "--jobs", "2")
     assert code == 1
-    crashed = [c["case_id"] for c in report["earlier_crashes"]]
+    assert "earlier_crashes" not in report
+    crashed = [c["case_id"] for c in report["cases"]
+               if c["results"] and c["results"][0]["status"] == "crash"]
     assert len(crashed) == 2 and text.count("died (exit status 77)") == 2
     assert all((tmp_path / "crash-artifacts" / "failures" / c).is_dir() for c in crashed)
     assert report["config"]["jobs"] == 2

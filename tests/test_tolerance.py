@@ -107,7 +107,7 @@ def test_float32_operands_are_charged_both_sides(backend: str) -> None:
 
 # ----- the bottom of float32's range (docs/tolerance.md) ---------------------------------
 
-SUBNORMAL_CASE = "fp32-subnormal-outputs-split-k"
+SUBNORMAL_CASE = "subnormal-outputs-fp32-split-k"
 
 
 def test_subnormal_outputs_of_the_issue_case_agree_and_need_the_stage_count() -> None:
