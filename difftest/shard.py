@@ -141,8 +141,8 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
     }
     counted = [report["config"]["case_set"] for _, report in reports
                if report["config"].get("case_set")]
-    if counted:  # the joined case set's counts: each shard counted its own cases
-        merged["config"]["case_set"] = {k: sum(c.get(k, 0) for c in counted) for k in counted[0]}
+    if counted:  # every shard and job records the whole case set's counts (difftest.plan)
+        merged["config"]["case_set"] = counted[0]
     if any("audit" in report["config"] for _, report in reports):  # of the joined case set
         from difftest.audit import audit_json
 

@@ -71,7 +71,8 @@ def test_four_shards_merged_equal_the_unsharded_report(shard_reports) -> None:
     whole, parts, merged = shard_reports
     unsharded, joined = read_report(whole), read_report(merged)
     sizes = [len(read_report(p)["cases"]) for p in parts]
-    assert sum(sizes) == len(unsharded["cases"]) == 8 and max(sizes) < 8
+    # 8 examples, plus any variant fitted to the backend and the dense family's examples
+    assert sum(sizes) == len(unsharded["cases"]) >= 8 and max(sizes) < len(unsharded["cases"])
     for k, part in enumerate(parts, start=1):
         report = read_report(part)
         assert report["config"]["shard"] == f"{k}/{SHARDS}"
