@@ -26,7 +26,7 @@ from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.case import Case
 from difftest.layouts import CacheViews
-from difftest.sparse_table import SparseRow, build_rows, kernel_sequences
+from difftest.sparse_table import SparseRow, build_rows
 from mutants.injection import MutantBackend, Mutation, Table
 
 PAGE_ID_MASK_16_BITS = 0xFFFF
@@ -75,24 +75,6 @@ def _window_cuts(case: Case) -> bool:
     """Whether the sliding window leaves out a token some row attends."""
     return bool(case.sliding_window) and any(
         row.context_len > case.sliding_window for row in build_rows(case))
-
-
-def _separate_rows(case: Case) -> list[range]:
-    """Prefill-like requests (``query_lens``) of several query rows that ``triton-unified``
-    passes row by row (each row its own sequence over its own table row)."""
-    if not case.query_lens:
-        return []
-    single = {first for first, n in kernel_sequences(case) if n == 1}
-    return [rows for rows in (case.request_rows(r) for r in range(case.batch))
-            if len(rows) > 1 and rows.start in single]
-
-
-def _token_selections_differ(case: Case) -> bool:
-    """Whether a row passed on its own reads otherwise than its request's last row."""
-    rows = build_rows(case)
-    return any((rows[n].context_len, rows[n].segments) !=
-               (rows[group[-1]].context_len, rows[group[-1]].segments)
-               for group in _separate_rows(case) for n in group)
 
 
 # ----- page-table bugs ---------------------------------------------------------------------
@@ -197,14 +179,6 @@ def _heads_shifted(case: Case, out: torch.Tensor) -> torch.Tensor:
     return out.roll(-1, dims=1)
 
 
-def _last_token_selection(case: Case, sparse: Table) -> Table:
-    table, ctx = sparse
-    for group in _separate_rows(case):
-        table[group.start:group.stop] = table[group[-1]]
-        ctx[group.start:group.stop] = ctx[group[-1]]
-    return table, ctx
-
-
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("v-offset-7", "packed V view starts 7 pages into the block instead of 8",
              cache=_v_offset(7), applies_to=_packed, diagnosis="v-view-offset-7"),
@@ -239,7 +213,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "row selected", sparse_table=_read_unselected_page,
              applies_to=lambda c: _unselected_page(c) is not None,
              diagnosis="page-from-unattended-block"),
-    # kernel modes, scales, heads and query tokens (the classes the page-table bugs lack)
+    # kernel modes, scales and heads (the classes the page-table bugs lack)
     Mutation("softcap-ignored", "the logit softcap is not applied",
              case=lambda c: c.replace(softcap=0.0), applies_to=lambda c: c.softcap != 0,
              diagnosis="softcap-ignored"),
@@ -255,10 +229,6 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("query-heads-shifted", "query head h reads head h+1's query (a head stride off by "
              "one)", output=_heads_shifted, applies_to=lambda c: c.num_q_heads > 1,
              diagnosis="query-heads-shifted"),
-    Mutation("query-tokens-read-last-selection", "every query token of a prefill-like request "
-             "reads the selection and context of its last token (not causal per token)",
-             sparse_table=_last_token_selection, applies_to=_token_selections_differ,
-             diagnosis="other-query-token-selection"),
     Mutation("output-bf16", "output rounded to bf16, declared as such (harmless)",
              harmful=False, output=_round_to_bf16, precision=_declare_bf16_output),
 )
