@@ -54,12 +54,14 @@ class Precision:
     already of that dtype is taken to reach them unrounded, any scale applied outside the
     products; :meth:`difftest.tolerance.Tolerance.of`); ``probabilities``:
     what the softmax weights are rounded to before the PV product; ``output``: the stored
-    output dtype.
+    output dtype; ``rounded_products``: each product ``q_i k_i`` of a logit is rounded to
+    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot).
     """
 
     operands: str
     probabilities: str
     output: str
+    rounded_products: bool = False
 
 
 @dataclass(frozen=True)

@@ -76,25 +76,29 @@ class Tolerance:
     factor: float = FACTOR
     rounds_query: bool = True  # q is rounded to ``precision.operands``
     rounds_kv: bool = True  # the stored K/V are rounded to ``precision.operands``
+    rounds_products: bool = False  # each q_i k_i is rounded to ``precision.operands``
     accumulator_scale: float = 1.0  # a scale a kernel may apply after accumulating (v_scale)
 
     @classmethod
     def of(cls, precision: Precision, case: Case) -> Tolerance:
         """The tolerance of ``precision`` on ``case``: q and K/V already of the operand dtype
-        are not charged a rounding; an fp8 cache's ``v_scale`` may scale the accumulator."""
+        are not charged a rounding; rounded products are (one rounding each, the same error
+        term as a rounded operand: docs/tolerance.md); an fp8 cache's ``v_scale`` may scale
+        the accumulator."""
         scale = max(1.0, case.v_scale) if is_fp8(case.kv_dtype) else 1.0
         if case.q_scale or unit_roundoff(precision.operands) <= unit_roundoff("float32"):
             # fp8 x fp8 dots on GPUs; float32 accumulation error
             return cls(precision, accumulator_scale=scale)
         return cls(precision, rounds_query=case.query_dtype != precision.operands,
-                   rounds_kv=case.kv_dtype != precision.operands, accumulator_scale=scale)
+                   rounds_kv=case.kv_dtype != precision.operands,
+                   rounds_products=precision.rounded_products, accumulator_scale=scale)
 
     def bound(self, reference: Reference) -> torch.Tensor:
         """Allowed ``|actual - expected|`` for every element, float64."""
         u_op = unit_roundoff(self.precision.operands)
         u_p = unit_roundoff(self.precision.probabilities)
         u_out = unit_roundoff(self.precision.output)
-        rounded = int(self.rounds_query) + int(self.rounds_kv)
+        rounded = int(self.rounds_query) + int(self.rounds_kv) + int(self.rounds_products)
         logit_err = rounded * u_op * LOGIT_SIGMAS * reference.logit_magnitude
         weight_err = (u_p + self.rounds_kv * u_op
                       + torch.expm1(2 * logit_err[..., None]))

@@ -48,18 +48,11 @@ INTERPRETER_BF16_FINDING = (
     "bfloat16 queries or caches under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
     "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
     "bfloat16 runs on GPUs")
-MHA_PRODUCTS = (
-    "one query head per KV head: decode_attention_fwd's MHA kernel (_fwd_kernel_stage1) forms "
-    "q.k as tl.sum(q * k) of products rounded to the query dtype, a rounding stage the "
-    "declared-precision tolerance has no term for (finding F29: error/tolerance 1.13 on a "
-    "correct fp16 case); the grouped kernel of every other head count uses tl.dot")
 FIXED = {
     "page_size": "the framework's page-16 views (difftest/case.py validate holds the page "
                  "size)",
     "is_mla": "MiniMax-M3 is not MLA: K and V are separate views (left at its default)",
     "lse": "float32 [rows, heads] scratch the adapter allocates (an output of the kernel)",
-    "head_dim": "the case model holds it (difftest/case.py validate)",
-    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
 }
 
 
@@ -90,13 +83,10 @@ class VllmDecodeAttention:
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 queries or a bf16 cache under the interpreter (F1); one 16-bit query head
-        per KV head (F29); sliding windows before 0.34.0 and fp8 queries (no such parameter);
-        e4m3fnuz on NVIDIA GPUs."""
+        """bf16 queries or a bf16 cache under the interpreter (F1); sliding windows before
+        0.34.0 and fp8 queries (no such parameter); e4m3fnuz on NVIDIA GPUs."""
         if device.type == "cpu" and "bfloat16" in (case.query_dtype, case.kv_dtype):
             return INTERPRETER_BF16_FINDING  # P @ V is a dot in V's dtype
-        if case.num_q_heads == case.num_kv_heads and case.query_dtype != "float32":
-            return MHA_PRODUCTS
         if case.sliding_window and "sliding_window" not in self._parameters():
             version = self.release.version if self.release else vllm_version()
             return f"vLLM {version}'s decode_attention_fwd has no sliding window"
@@ -113,13 +103,15 @@ class VllmDecodeAttention:
     def precision(self, case: Case, device: torch.device) -> Precision:
         """q @ K in the query dtype (K cast to it), P rounded to V's dtype (the query dtype
         for fp8 V, dequantised to it), the output in the query dtype; fp32 dots tf32 on
-        GPUs."""
+        GPUs. With one query head per KV head the MHA kernel forms each logit as
+        ``tl.sum(q * k)``: every product is rounded to the query dtype (F29)."""
         q = case.query_dtype
         work = "tfloat32" if q == "float32" and device.type == "cuda" else q
         probabilities = work if case.is_fp8 else case.kv_dtype
         if probabilities == "float32" and device.type == "cuda":
             probabilities = "tfloat32"
-        return Precision(work, probabilities, q)
+        return Precision(work, probabilities, q,
+                         rounded_products=case.num_q_heads == case.num_kv_heads)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
         """Stage 2 writes ``0 / 0`` (NaN) on a row of context 0."""
