@@ -40,6 +40,7 @@ from difftest.diagnosis import diagnosis_lines
 from difftest.footprint import refusal
 from difftest.inputs import HostTables, generate, host_tables
 from difftest.kernel_call import KernelCall
+from difftest.kv_layouts import IN_PAGE_ORDERS
 from difftest.layouts import CachePool
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
 from difftest.sparse_table import SparseRow, build_rows, page_table
@@ -292,9 +293,10 @@ def _calling(hooks: Sequence[RunHooks], case: Case, backend: str, stage: str) ->
 
 def _pages_missing(case: Case, backend: Backend) -> str | None:
     """Why ``backend`` cannot read ``case``'s cache: an in-page order it reads that the case's
-    layout does not have (vLLM's split cache has no shuffled pages), else ``None``."""
+    layout does not have (vLLM's split cache has no shuffled pages), else ``None``. An order
+    no layout has is the backend's own error, left to the cache build to report."""
     for order in backend.in_page_orders:
-        if order not in case.layout.in_page_orders:
+        if order in IN_PAGE_ORDERS and order not in case.layout.in_page_orders:
             return (f"it reads {order} pages, and layout {case.kv_layout} has none (its "
                     f"in-page orders: {', '.join(case.layout.in_page_orders)})")
     return None

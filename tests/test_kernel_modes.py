@@ -30,7 +30,7 @@ from difftest.cases.generate import generated_cases
 from difftest.cases.modes import with_kernel_modes
 from difftest.cases.strategies import cases
 from difftest.runner import Status, run_case
-from difftest.sparse_table import kernel_sequences, portable_reading_differs
+from difftest.sparse_table import build_rows, kernel_sequences, portable_reading_differs
 from difftest.tolerance import Tolerance
 
 BASE = Case(num_blocks=8, seq_lens=(300,), block_tables=((5, 2, 7),), selections=((0, 1, 2),),
@@ -272,7 +272,9 @@ def test_audit_shows_the_new_modes_varying_on_triton_unified() -> None:
     path of the split-K scratch and the query length vary."""
     drawn = generated_cases(60, 0, cases(max_batch=2, max_topk=4, max_blocks=160))
     picks = [next(c for c in drawn if c.q_scale).replace(kv_dtype="float8_e4m3fn"), PREFILL,
-             next(c for c in drawn if c.split_k_segments and kernel_path(c) == "3D"),
+             # a row with context: the scratch shows which kernel ran only where one wrote
+             next(c for c in drawn if c.split_k_segments and kernel_path(c) == "3D"
+                  and any(row.context_len for row in build_rows(c))),
              next(c for c in drawn if c.split_k_segments and kernel_path(c) == "2D"),
              next(c for c in drawn if not c.kernel_modes)]
     backend = TritonUnifiedAttention(allow_interpreter_fp8_query=True,

@@ -48,7 +48,8 @@ def listed_features(case: Case) -> dict[str, Any]:
     last_block = case.num_blocks - 1
     return {
         "query_dtype": case.query_dtype, "kv_dtype": case.kv_dtype,
-        "kv_layout": case.kv_layout, "decode_query_len": case.decode_query_len,
+        "kv_layout": case.kv_layout,
+        "decode_query_len": max(case.query_len(r) for r in range(case.batch)),
         "num_blocks": case.num_blocks, "max_page_id": max(pages, default=-1),
         "context_lens": [row.context_len for row in rows],
         "last_block_attended": any(seg.physical_block == last_block
