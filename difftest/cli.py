@@ -677,7 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with catching_signals():
             return int(args.func(args))
     except Interrupted as exc:  # outside a run's cases: nothing partial to keep
-        print(f"difftest {args.command}: {exc}", file=sys.stderr)
+        if not getattr(args, "job", None):  # a job of --jobs: its parent says it once
+            print(f"difftest {args.command}: {exc}", file=sys.stderr)
         return exc.exit_status
     except (RegistryError, CaseError, CaseFileError, VisibilityError, UsageError, OSError,
             json.JSONDecodeError, JSONFileError, RecordError) as exc:

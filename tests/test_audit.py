@@ -124,7 +124,8 @@ def test_every_backend_states_every_parameter_of_the_kernel_it_called() -> None:
         stated = list(call.arguments)
         signatures = _loaded_signatures(call.kernel)
         assert any(stated[: len(p)] == p for p in signatures), (backend.name, signatures)
-        parameters = next(p for p in signatures if stated[: len(p)] == p)
+        # the longest: another release's shorter signature may be loaded in this process
+        parameters = max((p for p in signatures if stated[: len(p)] == p), key=len)
         assert all(a.label for a in call.arguments.values())
         assert all(a.shape for n, a in call.arguments.items()
                    if n not in parameters), backend.name
