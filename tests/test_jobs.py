@@ -52,7 +52,8 @@ def test_two_jobs_write_the_report_one_process_writes(tmp_path: Path) -> None:
     assert two["config"]["jobs"] == 2
     assert [m["report"] for m in two["merged_from"]] == ["job 1/2", "job 2/2"]
     assert two["config"]["audit"] == one["config"]["audit"]
-    assert "[job 1/2] " in text and "[job 2/2] " in text
+    # relayed with their job's prefix; a job that claimed no case may print nothing
+    assert any(line.startswith(("[job 1/2] ", "[job 2/2] ")) for line in text.splitlines())
     assert "perturbed disagrees with torch-ref" in text
 
 
