@@ -5,11 +5,14 @@ nothing written). Inside :func:`catching_signals` both become :class:`Interrupte
 carries the signal, so a run can record the case it was in as interrupted (not as a crash of
 the backend that happened to be running), write what it finished as a partial report, say so
 in one line and exit with the shell's status for the signal (``128 + signum``: 130, 143).
+A signal that lands where Python cannot raise (a garbage-collector callback, a ``__del__``)
+stays pending: :func:`raise_pending` raises it at the run's next safe point.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -33,8 +36,29 @@ class Interrupted(BaseException):  # like KeyboardInterrupt: not an error
         return 128 + self.signum
 
 
+_pending: list[int] = []
+
+
 def _raise(signum: int, _frame: FrameType | None) -> None:
+    _pending.append(signum)
     raise Interrupted(signum)
+
+
+def raise_pending() -> None:
+    """Raise the first signal received inside :func:`catching_signals`, if there was one;
+    the loop over cases calls it between cases, so a signal Python had to drop still ends
+    the run."""
+    if _pending:
+        raise Interrupted(_pending[0])
+
+
+def _quiet_unraisable(previous: object) -> object:
+    """An unraisable-exception hook that drops :class:`Interrupted` (it is pending, and
+    :func:`raise_pending` raises it) and passes anything else to ``previous``."""
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not isinstance(unraisable.exc_value, Interrupted):
+            previous(unraisable)  # type: ignore[operator]
+    return hook
 
 
 @contextmanager
@@ -46,8 +70,12 @@ def catching_signals() -> Iterator[None]:
     except ValueError:  # not the main thread: signals cannot be handled here
         yield
         return
+    unraisable = sys.unraisablehook
+    sys.unraisablehook = _quiet_unraisable(unraisable)  # type: ignore[assignment]
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        sys.unraisablehook = unraisable
+        _pending.clear()

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from difftest.audit import audit_json
 from difftest.case import Case
 from difftest.cases.capabilities import Capabilities
+from difftest.interrupts import raise_pending
 from difftest.records import CaseRecord
 from difftest.report import Report, unique_cases
 from difftest.runner import CaseResult
@@ -107,11 +108,20 @@ def execute(session: Session, plan: RunPlan, claims: Path | None = None
     pairs: Iterable[tuple[Case, tuple[str, ...] | None]] = plan.pairs()
     if claims is not None:
         pairs = claimed(pairs, claims)
+    pairs = _between_signals(pairs)
     if session.device.type == "cuda":
         yield from session.run_all(pairs)
     else:
         for case, backends in pairs:
             yield session.run(case, backends)
+
+
+def _between_signals(pairs: Iterable[tuple[Case, tuple[str, ...] | None]]
+                     ) -> Iterator[tuple[Case, tuple[str, ...] | None]]:
+    """``pairs``, raising a signal Python had to drop before the next case starts."""
+    for pair in pairs:
+        raise_pending()
+        yield pair
 
 
 def session_report(session: Session, config: dict[str, Any],

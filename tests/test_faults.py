@@ -267,6 +267,30 @@ def _sleeper(marks: Path, proc: subprocess.Popen[str]) -> int:
     pytest.fail("the slow backend never started sleeping")
 
 
+def test_a_signal_python_drops_in_a_gc_callback_still_ends_the_run(capfd) -> None:
+    """SIGINT landing in a garbage-collector callback (Hypothesis registers one) printed a
+    traceback there, was lost, and the job ran on until its parent killed it."""
+    import gc
+
+    from difftest import interrupts
+
+    def callback(phase: str, _info: dict) -> None:
+        if phase == "start":
+            os.kill(os.getpid(), signal.SIGINT)  # its handler runs inside the callback
+
+    with interrupts.catching_signals():
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(callback)
+        with pytest.raises(interrupts.Interrupted) as caught:
+            interrupts.raise_pending()
+    assert caught.value.name == "SIGINT"
+    interrupts.raise_pending()  # outside, nothing is pending
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def _pending_files(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "art" / "pending").glob("*"))
 
