@@ -1,7 +1,7 @@
 """Known kernel bugs: which disagreements a run expects, and which expected ones went away.
 
 A real kernel bug is a finding (docs/findings.md), never an exclusion: the backend still runs
-the cases that trigger it. ``expectations.json`` at the top of the checkout lists each bug
+the cases that trigger it. ``expectations.json`` beside this module (package data) lists each bug
 once, keyed by the backends it concerns, the releases that have it (a PEP 440 specifier over
 one ``versions`` entry of the backend, e.g. ``amd-aiter <=0.1.20.post1``) and the condition
 on the case that triggers it (case fields, plus ``nonfinite`` when the symptom is a
@@ -28,7 +28,7 @@ from packaging.version import InvalidVersion, Version
 from difftest.records import FAILING, CaseRecord, ResultRecord, Status
 
 FILE_ENV = "DIFFTEST_EXPECTATIONS"
-DEFAULT_FILE = Path(__file__).resolve().parent.parent / "expectations.json"
+DEFAULT_FILE = Path(__file__).resolve().parent / "expectations.json"
 _FIELD_TESTS = ("min", "max", "equals")
 
 

@@ -64,6 +64,12 @@ def test_the_case_corpus_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
     assert corpus and packed == corpus
 
 
+def test_the_known_bugs_file_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
+    """An installed difftest reports known bugs as a checkout does."""
+    packed = wheel.read("difftest/expectations.json")
+    assert packed == (ROOT / "difftest" / "expectations.json").read_bytes()
+
+
 def test_every_entry_point_names_a_module_in_the_wheel(wheel: zipfile.ZipFile) -> None:
     (entry_points,) = (n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt"))
     parser = ConfigParser()
