@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from difftest.backends.private_tree import PrivateTreeFinder
+
 ROOT_ENV = "DIFFTEST_AITER_ROOT"
 SOURCE_ENV = "DIFFTEST_AITER"
 DEFAULT_ROOT = Path("~/.cache/difftest/aiter")
@@ -147,41 +149,16 @@ class AiterSource:
             return importlib.import_module(".".join((prefix, *relative.parts)))
 
 
-class _AiterFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _AiterFinder(PrivateTreeFinder):
     """Finds ``<prefix>.<path inside aiter/>`` in one tree (directories are empty packages)."""
 
     def __init__(self, package: Path, prefix: str, answers: DeviceAnswers | None) -> None:
-        self.package = package
-        self.prefix = prefix
+        super().__init__(package, prefix)
         self.answers = answers
 
-    def find_spec(self, fullname: str, path: object = None,
-                  target: object = None) -> importlib.machinery.ModuleSpec | None:
-        """A spec for names under the prefix, ``None`` for every other name."""
-        if fullname != self.prefix and not fullname.startswith(self.prefix + "."):
-            return None
-        location = self.package.joinpath(*fullname.split(".")[1:])
-        if location.is_dir():
-            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            spec.submodule_search_locations = []  # only this finder finds children
-            return spec
-        if location.with_suffix(".py").is_file():
-            return importlib.machinery.ModuleSpec(fullname, self,
-                                                  origin=str(location.with_suffix(".py")))
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        """Default module creation."""
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        """Run a module file with its ``aiter`` imports pointed at the prefix; packages stay
-        empty. ``device_info.get_num_sms`` is replaced by the answered CU count."""
-        spec = module.__spec__
-        if spec is None or spec.origin is None or spec.submodule_search_locations is not None:
-            return
-        path = Path(spec.origin)
-        module.__file__ = str(path)
+    def run_file(self, module: types.ModuleType, path: Path) -> None:
+        """Run a module file with its ``aiter`` imports pointed at the prefix.
+        ``device_info.get_num_sms`` is replaced by the answered CU count."""
         source = _FROM_LINE.sub(rf"\g<1>{self.prefix}\g<2>", path.read_text())
         source = _IMPORT_AS_LINE.sub(rf"\g<1>{self.prefix}\g<2>", source)
         exec(compile(source, str(path), "exec"), module.__dict__)

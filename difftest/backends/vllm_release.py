@@ -44,6 +44,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from difftest.backends.private_tree import PrivateTreeFinder
+
 ROOT_ENV = "DIFFTEST_VLLM_ROOT"
 RELEASE_ENV = "DIFFTEST_VLLM"
 DEFAULT_ROOT = Path("~/.cache/difftest/vllm")
@@ -115,7 +117,7 @@ class Release:
         return finder
 
 
-class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _ReleaseFinder(PrivateTreeFinder):
     """Finds ``<prefix>.<path inside vllm/>`` in one release tree.
 
     Directories become empty packages (their ``__init__`` re-exports, which import vLLM's
@@ -129,8 +131,8 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """
 
     def __init__(self, release: Release, prefix: str, arch: str | None) -> None:
+        super().__init__(release.package, prefix)
         self.release = release
-        self.prefix = prefix
         self.kernels: set[str] = set()
         self.ran: list[str] = []
         self.skipped: list[str] = []
@@ -141,40 +143,15 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
             self.platforms = arch_modules(arch_of(arch)) + ".platforms"
 
-    def find_spec(self, fullname: str, path: object = None,
-                  target: object = None) -> importlib.machinery.ModuleSpec | None:
-        """A spec for names under the release's prefix, ``None`` for every other name."""
-        prefix = self.prefix
-        if fullname != prefix and not fullname.startswith(prefix + "."):
-            return None
-        location = self.release.package.joinpath(*fullname.split(".")[1:])
-        if location.is_dir():
-            spec = importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-            spec.submodule_search_locations = []  # no path: only this finder finds children
-            return spec
-        if location.with_suffix(".py").is_file():
-            return importlib.machinery.ModuleSpec(fullname, self,
-                                                  origin=str(location.with_suffix(".py")))
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        """Default module creation."""
-        return None
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        """Run a file's source with its vllm imports pointed at the release; packages stay
-        empty. A kernel file runs whole; a module it imports runs statement by statement."""
-        spec = module.__spec__
-        if spec is None or spec.origin is None or spec.submodule_search_locations is not None:
-            return
-        path = Path(spec.origin)
-        module.__file__ = str(path)
+    def run_file(self, module: types.ModuleType, path: Path) -> None:
+        """Run a file's source with its vllm imports pointed at the release. A kernel file
+        runs whole; a module it imports runs statement by statement."""
         relative = path.relative_to(self.release.package).as_posix()
         self.ran.append(relative)
         text = path.read_text()
         self.venv.update(m.group(1) for m in _PLAIN_IMPORT.finditer(text))
         source = _IMPORT_LINE.sub(self._rewrite, text)
-        if spec.name in self.kernels:
+        if module.__name__ in self.kernels:
             exec(compile(source, str(path), "exec"), module.__dict__)
             return
         tree = ast.parse(source, str(path))
