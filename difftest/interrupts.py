@@ -6,7 +6,8 @@ carries the signal, so a run can record the case it was in as interrupted (not a
 the backend that happened to be running), write what it finished as a partial report, say so
 in one line and exit with the shell's status for the signal (``128 + signum``: 130, 143).
 A signal that lands where Python cannot raise (a garbage-collector callback, a ``__del__``)
-stays pending: :func:`raise_pending` raises it at the run's next safe point.
+stays pending: :func:`raise_pending` raises it at the run's next safe point. Signals after the
+first are ignored, so that the run's cleanup is not itself interrupted.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ _pending: list[int] = []
 
 
 def _raise(signum: int, _frame: FrameType | None) -> None:
+    if _pending:  # already ending: Ctrl-C reaches a job both from the terminal and its parent
+        return
     _pending.append(signum)
     raise Interrupted(signum)
 

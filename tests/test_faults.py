@@ -376,11 +376,20 @@ def test_a_killed_job_loses_none_of_its_finished_cases(tmp_path: Path) -> None:
     assert list((tmp_path / "art" / "jobs").iterdir()) == []
 
 
-def test_an_interrupted_jobs_run_merges_the_jobs_partial_reports(tmp_path: Path) -> None:
-    """Ctrl-C under --jobs printed three interleaved tracebacks and wrote nothing."""
-    proc, report, marks = _slow_run(tmp_path, "--jobs", "2", env={"SLOW_ALL": "1"})
+@pytest.mark.parametrize("group", [False, True], ids=["parent", "terminal"])
+def test_an_interrupted_jobs_run_merges_the_jobs_partial_reports(tmp_path: Path,
+                                                                 group: bool) -> None:
+    """Ctrl-C under --jobs printed three interleaved tracebacks and wrote nothing. Sent to
+    the parent, it passes the signal on to its jobs; a terminal's Ctrl-C reaches the whole
+    process group, so each job gets it twice (a second one interrupted the first's cleanup
+    and left a false crash)."""
+    proc, report, marks = _slow_run(tmp_path, "--jobs", "2", env={"SLOW_ALL": "1"},
+                                    start_new_session=group)
     _sleeper(marks, proc)
-    proc.send_signal(signal.SIGINT)  # the parent passes it on to its jobs
+    if group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=LIMIT)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err
