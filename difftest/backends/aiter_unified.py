@@ -47,6 +47,7 @@ from difftest.backends.triton_unified import (
     M3,
     MODE_OFF,
 )
+from difftest.backends.unified_call import unified_attention_arguments
 from difftest.backends.vllm_imports import triton_precision
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
@@ -258,34 +259,11 @@ class AiterUnified:
         device = inputs.device
         answers = self._answers(case) if device.type == "cpu" else None
         unified_attention = self.kernel(case, device)
-        views = inputs.cache(self.in_page_orders[0])
-        table, ctx = inputs.sparse_table
-        seqs = kernel_sequences(case)
-        last = devices.to_device(
-            torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long), table.device)
-        lengths = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32)
-        query = inputs.data.query
-        if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs.py)
-            query = (query / case.q_scale).to(torch_dtype(case.kv_dtype))
-        out = inputs.output(torch_dtype(case.query_dtype))
-        k_scale, v_scale = inputs.scales()
-        fp8 = case.is_fp8
-        arguments: dict[str, Any] = dict(
-            q=query, k=views.k, v=views.v, out=out,
-            cu_seqlens_q=devices.to_device(lengths.cumsum(0, dtype=torch.int32), device),
-            max_seqlen_q=max(n for _, n in seqs),
-            seqused_k=ctx[last],
-            max_seqlen_k=max_seqlen_k(case),
-            softmax_scale=case.softmax_scale,
-            causal=True,
-            window_size=(case.sliding_window - 1, 0) if case.sliding_window else (-1, -1),
-            block_table=table[last],
-            softcap=case.softcap,
-            q_descale=(devices.to_device(torch.tensor([case.q_scale], dtype=torch.float32),
-                                         device) if case.q_scale else None),
-            k_descale=k_scale.reshape(1) if fp8 else None,
-            v_descale=v_scale.reshape(1) if fp8 else None,
-        )
+        arguments = unified_attention_arguments(inputs, inputs.cache(self.in_page_orders[0]))
+        out = arguments["out"]
+        if case.is_fp8:  # AITER's descales are 1-element tensors
+            arguments["k_descale"] = arguments["k_descale"].reshape(1)
+            arguments["v_descale"] = arguments["v_descale"].reshape(1)
         if self.shuffled:
             arguments["shuffled_kv_cache"] = True
         parameters = inspect.signature(unified_attention).parameters

@@ -41,6 +41,7 @@ import torch
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backends.unified_call import unified_attention_arguments
 from difftest.backends.vllm_arch import arch_note, arch_of, record_launches
 from difftest.backends.vllm_imports import (
     triton_availability,
@@ -50,7 +51,7 @@ from difftest.backends.vllm_imports import (
 )
 from difftest.backends.vllm_release import chosen_release, resolve
 from difftest.case import Case
-from difftest.dtypes import dtype_name, torch_dtype
+from difftest.dtypes import dtype_name
 from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.sparse_table import kernel_sequences, unified_query_blocks
 
@@ -271,43 +272,13 @@ class TritonUnifiedAttention:
         unified_attention = self._kernel()
         case = inputs.case
         device = inputs.device
-        views = inputs.cache("plain")
-        table, ctx = inputs.sparse_table
-        seqs = kernel_sequences(case)
-        last = devices.to_device(
-            torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long), table.device)
-        lengths = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32)
-        query = inputs.data.query
-        if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs.py)
-            query = (query / case.q_scale).to(torch_dtype(case.kv_dtype))
-        out = inputs.output(torch_dtype(case.query_dtype))
-        k_scale, v_scale = inputs.scales()
-        fp8 = case.is_fp8
-        window = (case.sliding_window - 1, 0) if case.sliding_window else (-1, -1)
-        arguments: dict[str, Any] = dict(
-            q=query,
-            k=views.k,
-            v=views.v,
-            out=out,
-            cu_seqlens_q=devices.to_device(lengths.cumsum(0, dtype=torch.int32), device),
-            max_seqlen_q=max(n for _, n in seqs),
-            seqused_k=ctx[last],
-            max_seqlen_k=case.topk * case.block_size,
-            softmax_scale=case.softmax_scale,
-            causal=True,
-            window_size=window,
-            block_table=table[last],
-            softcap=case.softcap,
-            q_descale=(devices.to_device(torch.tensor([case.q_scale], dtype=torch.float32), device)
-                       if case.q_scale else None),
-            k_descale=k_scale if fp8 else None,
-            v_descale=v_scale if fp8 else None,
-        )
+        arguments = unified_attention_arguments(inputs, inputs.cache("plain"))
+        out, ctx = arguments["out"], inputs.sparse_table[1]
         scratch = self._split_k_scratch(case, device)
         arguments |= scratch
         if self._casts_kv():
             modes = unified_attention.__globals__["KVQuantMode"]
-            arguments["kv_quant_mode"] = modes.FP8_PER_TENSOR if fp8 else modes.NONE
+            arguments["kv_quant_mode"] = modes.FP8_PER_TENSOR if case.is_fp8 else modes.NONE
         unified_attention(**arguments)
         ran = "2D"
         if scratch and bool((ctx > 0).any()):
@@ -319,7 +290,8 @@ class TritonUnifiedAttention:
                 raise RuntimeError(f"unified_attention ran its {ran} kernel where vLLM's rule "
                                    f"says {expected} (split_k_segments "
                                    f"{case.split_k_segments}, seq_threshold_3d "
-                                   f"{case.seq_threshold_3d}, {len(seqs)} sequences)")
+                                   f"{case.seq_threshold_3d}, "
+                                   f"{len(arguments['seqused_k'])} sequences)")
         inputs.state(self._statement(arguments, case, ran))
         return out
 
