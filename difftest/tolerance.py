@@ -10,12 +10,17 @@ unit roundoff ``u``:
 * rounding q and K to ``operands`` perturbs each logit by at most about
   ``delta = 2 u_op * ||q o k_i||_2 * softmax_scale`` (``u_op`` once per rounded side; the
   probabilistic bound of Higham & Mary for a length-D product, at ``LOGIT_SIGMAS`` standard
-  deviations). Logits moved by at most ``delta`` move each probability by a factor within
-  ``exp(+-2 delta)``, so its relative error is at most ``expm1(2 delta)``: not ``2 delta``,
-  which only holds while ``delta`` is small. On a row dominated by one token whose logits
+  deviations), plus ``sqrt(D) u_32`` for the dot's float32 sum of D products (negligible
+  beside a 16-bit rounding; for float32 operands the larger term). Logits moved by at most
+  ``delta`` move each probability by a factor within ``exp(+-2 delta)``, so its relative
+  error is at most ``expm1(2 delta)``: not ``2 delta``, which only holds while ``delta`` is
+  small. On a row dominated by one token whose logits
   reach a hundred (fp8 operands, large scales), the kernel's rounding of q legitimately
   multiplies the other weights by thousands (docs/findings.md F15); such a row is only
   checked loosely, as its conditioning demands;
+* the float32 sums of ``n`` terms (the numerator and ``L``) err by about ``sqrt(n) u_32`` of
+  their terms' magnitudes (Higham & Mary's probabilistic bound): ``sqrt(n) u_32 (A + |o|)``,
+  negligible beside a 16-bit stage, the largest term of a float32 row past a few tokens;
 * storing the output rounds it by ``u_out * |o| + eta_out``, where ``eta_out`` is half the
   output dtype's smallest subnormal: an output below the normal range (fp16 below 6.1e-5)
   keeps only an absolute accuracy, and one below ``eta_out`` rounds to zero.
@@ -27,10 +32,11 @@ fp8 queries (``q_scale``) are still charged both sides: the adapter hands the ke
 exact fp8 query, yet on the H200 charging neither gave 7 disagreements (error/tolerance up to
 5.3) in 2000 correct examples, all fp8-query cases of ``triton-unified``; fp8 tensor-core
 dots on Hopper accumulate with reduced precision (DeepSeek-V3's report), which the model does
-not have a term for. Float32 operands are charged both sides too: their float32 products,
-sums and exponentials err by about as much as the rounding, so the rounding terms stand in for
-them (on the CPU, charging neither gave 2 disagreements, error/tolerance 1.02 and 1.11, in 2000
-correct examples). A bare ``Tolerance(precision)`` charges both.
+not have a term for. Float32 operands are charged both sides too: their float32 products and
+exponentials err by about as much as the rounding, so the rounding terms stand in for them
+(on the CPU, charging neither gave 2 disagreements, error/tolerance 1.02 and 1.11, in 2000
+correct examples); their sums have terms of their own (above). A bare
+``Tolerance(precision)`` charges both.
 
 Below float32's normal range a rounding is absolute, not relative (``fl(x) = x(1+d) + e``,
 ``|e| <= eta``, Higham thm. 2.3), so an output made of subnormal terms needs the stages that
@@ -99,10 +105,16 @@ class Tolerance:
         u_p = unit_roundoff(self.precision.probabilities)
         u_out = unit_roundoff(self.precision.output)
         rounded = int(self.rounds_query) + int(self.rounds_kv) + int(self.rounds_products)
-        logit_err = rounded * u_op * LOGIT_SIGMAS * reference.logit_magnitude
+        u_32 = unit_roundoff("float32")
+        # the operands' roundings, and the float32 sum of the dot's D products
+        dot = math.sqrt(reference.output.shape[-1]) * u_32
+        logit_err = (rounded * u_op + dot) * LOGIT_SIGMAS * reference.logit_magnitude
         weight_err = (u_p + self.rounds_kv * u_op
                       + torch.expm1(2 * logit_err[..., None]))
+        # the float32 sums of the numerator and of L over n terms (docs/tolerance.md)
+        sums = u_32 * reference.context_lens.to(torch.float64).sqrt()
         budget = (weight_err * reference.abs_output + u_out * reference.output.abs()
+                  + sums[:, None, None] * (reference.abs_output + reference.output.abs())
                   + self.underflow(reference.context_lens)[:, None, None])
         return self.factor * budget
 

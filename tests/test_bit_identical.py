@@ -16,10 +16,13 @@ reference, cache build and generation) when the emulated kernel moved to float64
 its float32 softmax and tanh differed by an ulp between CPUs (AVX2 and AVX-512), which moved
 the greatest error/tolerance of 11 cases by up to 15% on a fresh machine.
 
+Re-recorded with ``--reverdict`` when the tolerance charged the float32 sums of the dot and
+of the row (docs/tolerance.md "The float32 sums"): 29 float32 cases' ``scaled`` now agree.
+
 Now: the same inputs bit for bit (so every backend's output is unchanged: a backend is a
 function of its inputs), and the same verdicts against the new reference. ``scaled`` is the
 emulated kernel's output times ``1 + 128 u`` (``u``: the query dtype's unit roundoff): its
-greatest error/tolerance is near 1 on most cases and it mismatches on 94 of the 206, so a
+greatest error/tolerance is near 1 on most 16-bit cases and it mismatches on 65 of the 206, so a
 reference whose bound moved by more than its documented error would change a mismatch count
 or a greatest ratio. The CI profile checks the corpus and the 25 generated cases with the
 smallest caches (the profile's ``max_examples``), nightly all 200.
@@ -183,8 +186,11 @@ def test_record_holds_corpus_and_generated_cases() -> None:
     assert len(recorded["entries"]) == recorded["corpus"] + GENERATED
     ids = [e["case"]["id"] for e in recorded["entries"]]
     assert len(set(ids)) == len(ids)
-    scaled = [e["verdicts"]["scaled"]["mismatched"] for e in recorded["entries"]]
-    assert sum(m > 0 for m in scaled) > len(scaled) // 3  # the sensitive variant is sensitive
+    # the sensitive variant is sensitive where 128 ulp exceed a correct kernel's rounding: on
+    # 16-bit queries (a float32 kernel's sums reach that far: docs/tolerance.md)
+    scaled = [e["verdicts"]["scaled"]["mismatched"] for e in recorded["entries"]
+              if e["case"]["query_dtype"] != "float32"]
+    assert sum(m > 0 for m in scaled) > len(scaled) // 3
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ can produce subnormals."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from difftest.casefile import read_case
 from difftest.dtypes import underflow_unit
 from difftest.registry import discover
 from difftest.runner import Status, run_case
-from difftest.tolerance import FACTOR, VALUE_BOUND, Reference, Tolerance
+from difftest.tolerance import FACTOR, LOGIT_SIGMAS, VALUE_BOUND, Reference, Tolerance
 
 
 def _reference(value: float) -> Reference:
@@ -36,9 +37,11 @@ def test_an_output_below_fp16s_range_may_round_to_zero() -> None:
 
 
 def test_normal_range_outputs_keep_a_relative_bound() -> None:
+    """Three float16 roundings, the float32 sums of a one-token row (``sqrt(1) u_32`` of
+    ``A + |o|``) and float16's underflow."""
     tolerance = Tolerance(Precision("float16", "float16", "float16"))
     bound = float(tolerance.bound(_reference(1.0)))
-    assert abs(bound - FACTOR * (3 * 2.0**-11 + 2.0**-25)) < 1e-15
+    assert abs(bound - FACTOR * (3 * 2.0**-11 + 2 * 2.0**-24 + 2.0**-25)) < 1e-15
 
 
 def test_logits_moved_far_move_weights_exponentially_and_the_bound_follows() -> None:
@@ -91,7 +94,11 @@ def test_inputs_already_of_the_operand_dtype_are_not_charged_a_rounding() -> Non
     exact = Tolerance(fp8, rounds_query=False, rounds_kv=False)
     charged = [float(t.bound(reference)) for t in (quantized, Tolerance.of(fp8, case), exact)]
     assert charged[0] > charged[1] > charged[2]
-    assert abs(charged[2] - FACTOR * (2.0**-4 + underflow_unit("bfloat16"))) < 1e-12
+    # left: the fp8 weights, the dot's float32 sum (one product at LOGIT_SIGMAS of magnitude
+    # 2, as expm1(2 delta)), the row's float32 sum (one token of A = 1) and bf16's underflow
+    u_32 = 2.0**-24
+    sums = math.expm1(2 * u_32 * LOGIT_SIGMAS * 2.0) + u_32
+    assert abs(charged[2] - FACTOR * (2.0**-4 + sums + underflow_unit("bfloat16"))) < 1e-12
 
 
 @pytest.mark.parametrize("backend", ["triton-unified", "vllm-triton-sparse"])
