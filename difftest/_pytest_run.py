@@ -30,7 +30,9 @@ import os
 import platform
 import re
 import shutil
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Generator, Mapping
 from pathlib import Path
@@ -55,9 +57,11 @@ from difftest.records import CaseRecord
 from difftest.registry import split_names
 from difftest.report import (
     Report,
+    backend_entry,
     blind_spot_lines,
     case_records,
     summary,
+    unavailable_asked,
     unique_cases,
     verdict_line,
     write_report,
@@ -195,9 +199,24 @@ def activate(config: pytest.Config) -> DifftestRun:
         devices.prepare_runtime("cpu")
     if role != "worker":  # after the CPU runtime: a plug-in may import vLLM as it loads
         _check_backends(config)
+    _stop_on_sigterm()
     run = DifftestRun(config, role, shard, gpu_env, profile)
     config.pluginmanager.register(run, PLUGIN_NAME)
     return run
+
+
+def _stop_on_sigterm() -> None:
+    """Let SIGTERM (a CI job's timeout) stop pytest as Ctrl-C does, so that the case in
+    flight is recorded as interrupted instead of being left pending for the next run to
+    report as a crash. Only where SIGTERM still has its default action, in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
 
 
 def activate_late(config: pytest.Config) -> DifftestRun:
@@ -280,6 +299,7 @@ class DifftestRun:
         self.store = ArtifactStore(option(config, "--difftest-artifacts"))
         self.report: dict[str, Any] | None = None
         self.earlier_crashes: list[CaseRecord] = []
+        self.missing: list[str] = []  # asked-for backends that could not run
         self._session: Session | None = None
         self._capabilities: Capabilities | None = None
         self.generation: list[tuple[str, str]] = []  # (writer, line) of every process
@@ -365,8 +385,11 @@ class DifftestRun:
         session = self.session()
         try:
             result = session.run(case, backends)
-        except BaseException:  # Ctrl-C or a timeout mid-case: it neither finished nor
-            session.store.abandon()  # crashed a backend, so no later run may blame one
+        except BaseException as exc:  # Ctrl-C or a timeout mid-case: it neither finished
+            # nor crashed a backend, so no later run may blame one; the report says so
+            self.log.write("interrupted", by=_stopped_by(exc), in_flight=[
+                {"case_id": case_id, "running": running}
+                for case_id, running in session.store.abandon()])
             raise
         nodeid = self._item.nodeid if self._item is not None else None
         self.log.write("case", record=session.records[-1].in_pytest(self.writer, nodeid).to_dict())
@@ -474,9 +497,11 @@ class DifftestRun:
                            if line["kind"] == "generation" for text in line["lines"]]
         shutil.rmtree(self.run_dir, ignore_errors=True)
         path = self.config.getoption("--difftest-report")
-        if self.earlier_crashes and session.exitstatus == pytest.ExitCode.OK:
+        self.missing = self._unavailable_asked()
+        if (self.earlier_crashes or self.missing) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a crash found is a failure
-        if not (path or self.earlier_crashes or any(line["kind"] == "case" for line in lines)):
+        if not (path or self.earlier_crashes or self.missing
+                or any(line["kind"] == "case" for line in lines)):
             return
         profile = self.profile or settings.get_current_profile_name()
         self.report = assemble_report(lines, {
@@ -505,12 +530,36 @@ class DifftestRun:
         judgement = judge(case_records(self.report), self.expectations())
         for line in judgement.lines():
             terminalreporter.write_line(line)
-        terminalreporter.write_line(verdict_line(self.report, path, judgement))
+        for line in self.missing:
+            terminalreporter.write_line(f"FAILED: {line}")
+        terminalreporter.write_line(verdict_line(self.report, path, judgement, self.missing))
+
+    def _unavailable_asked(self) -> list[str]:
+        """A line per backend of ``--difftest-backends`` (not ``--difftest-optional``) that
+        could not run: a session that tested nothing of what was asked for is not a pass."""
+        names = self.config.getoption("--difftest-backends")
+        if not names:
+            return []
+        from difftest import registry
+
+        asked = split_names(names)
+        optional = split_names(self.config.getoption("--difftest-optional") or "")
+        chosen = registry.select(registry.discover(option(self.config, "--difftest-plugin")),
+                                 asked)
+        return unavailable_asked({b.name: backend_entry(b) for b in chosen}, asked, optional)
 
 
 def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
     """A report's backends under test (every backend but the reference)."""
     return [name for name in backends if name != config.get("reference")]
+
+
+def _stopped_by(exc: BaseException) -> str:
+    """``SIGINT`` or ``SIGTERM`` for an interrupt (:func:`_stop_on_sigterm`), else the name
+    of what stopped the case (a timeout plug-in's exception)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "SIGTERM" if "SIGTERM" in str(exc) else "SIGINT"
+    return type(exc).__name__
 
 
 def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
@@ -528,6 +577,11 @@ def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
         for name, entry in line["backends"].items():
             backends.setdefault(name, entry)
     config = (sessions[0]["config"] if sessions else {}) | config_extra
+    stopped = [line for line in lines if line["kind"] == "interrupted"]
+    if stopped:  # a partial report: the cases in flight neither finished nor crashed
+        config["interrupted"] = {
+            "signal": stopped[0]["by"],
+            "in_flight": [case for line in stopped for case in line["in_flight"]]}
     workers = None
     if xdist:
         workers = {}

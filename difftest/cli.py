@@ -149,16 +149,6 @@ def _backend_names(text: str) -> list[str]:
     return names
 
 
-def unavailable_asked(backends: dict[str, dict[str, Any]], asked: Sequence[str] | None,
-                      optional: Sequence[str]) -> list[str]:
-    """One line per backend named with ``--backends`` (and not ``--optional``) that could not
-    run: a run that tested nothing of what was asked for is not a pass."""
-    return [f"backend {name} was asked for and could not run: {entry['reason']} (mark it "
-            f"--optional {name} to run without it)"
-            for name, entry in backends.items()
-            if name in (asked or ()) and name not in optional and not entry["available"]]
-
-
 class UsageError(ValueError):
     """The command line asks for something this machine cannot do; the message says what."""
 
@@ -265,7 +255,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.plan import RunPlan, execute, session_report
     from difftest.reach import LineTrace
     from difftest.replay import report_previous_crashes
-    from difftest.report import write_report
+    from difftest.report import unavailable_asked, write_report
     from difftest.session import Session
     from difftest.shard import Shard, ShardError
 
@@ -341,10 +331,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return interrupted.exit_status
     if job is not None:
         return 1 if report.failed else 0
-    judgement = _print_closing(document, args.report, args.audit)
     missing = unavailable_asked(document["backends"], args.backends, args.optional)
-    for line in missing:
-        print(f"difftest run: FAILED: {line}", file=sys.stderr)
+    judgement = _print_closing(document, args.report, args.audit, missing)
     return 1 if report.earlier_crashes or missing or judgement.failed else 0
 
 
@@ -357,12 +345,13 @@ def _check_writable(args: argparse.Namespace) -> None:
         check_writable(args.report)
     check_writable(args.artifacts, directory=True)
 
-def _print_closing(report: dict[str, Any], path: str | None,
-                   full_audit: bool) -> Judgement:
+def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
+                   missing: Sequence[str] = ()) -> Judgement:
     """What a run prints at its end: the case set, generation's notes, the audit's blind
     spots (all of it with ``--audit``), why backends were unavailable, the summary, the known
-    bugs met (:mod:`difftest.expectations`), and the verdict line last; returns the run's
-    failures sorted by the expectations."""
+    bugs met (:mod:`difftest.expectations`), the asked-for backends that could not run
+    (``missing``), and the verdict line last; returns the run's failures sorted by the
+    expectations."""
     from difftest.audit import audit_lines
     from difftest.coverage import coverage_table
     from difftest.expectations import judge
@@ -400,7 +389,9 @@ def _print_closing(report: dict[str, Any], path: str | None,
     judgement = judge(case_records(report), load_expectations())
     for line in judgement.lines():
         print(line)
-    print(verdict_line(report, path, judgement))
+    for line in missing:
+        print(f"FAILED: {line}")
+    print(verdict_line(report, path, judgement, missing))
     return judgement
 
 
@@ -410,7 +401,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
     from difftest.fingerprint import fingerprint
     from difftest.jobs import job_environments, run_jobs
     from difftest.replay import report_previous_crashes
-    from difftest.report import Report, write_report
+    from difftest.report import Report, unavailable_asked, write_report
 
     gpu_envs = job_environments(args.jobs, args.device)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
@@ -458,10 +449,8 @@ def _run_jobs(args: argparse.Namespace) -> int:
         return outcome.interrupted.exit_status
     if args.report:
         write_report(args.report, report)
-    judgement = _print_closing(report, args.report, args.audit)
     missing = unavailable_asked(report["backends"], args.backends, args.optional)
-    for line in missing:
-        print(f"difftest run: FAILED: {line}", file=sys.stderr)
+    judgement = _print_closing(report, args.report, args.audit, missing)
     return 1 if found or problems or missing or judgement.failed else 0
 
 

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 INI_NAME = "difftest"
 OPTIONS: tuple[str, ...] = (
-    "--difftest-backends", "--difftest-device", "--difftest-plugin", "--difftest-reference",
-    "--difftest-artifacts", "--difftest-report", "--difftest-shard")
+    "--difftest-backends", "--difftest-optional", "--difftest-device", "--difftest-plugin",
+    "--difftest-reference", "--difftest-artifacts", "--difftest-report", "--difftest-shard")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -43,6 +43,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("difftest", "differential testing of attention kernels")
     group.addoption("--difftest-backends", default=None,
                     help="comma-separated backends to compare (default: all discovered)")
+    group.addoption("--difftest-optional", default=None, metavar="NAMES",
+                    help="backends of --difftest-backends that may be unavailable without "
+                         "failing the session")
     group.addoption("--difftest-device", default=None,
                     help="device the kernels run on: auto (default), cpu or cuda "
                          "(under xdist: one GPU per worker)")

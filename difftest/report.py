@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -238,10 +238,21 @@ def status_counts(report: dict[str, Any]) -> Counter[Status]:
     return Counter(r.status for c in case_records(report) for r in c.results)
 
 
+def unavailable_asked(backends: dict[str, dict[str, Any]], asked: Sequence[str] | None,
+                      optional: Sequence[str]) -> list[str]:
+    """One line per backend named with ``--backends`` (and not ``--optional``) that could not
+    run: a run that tested nothing of what was asked for is not a pass."""
+    return [f"backend {name} was asked for and could not run: {entry['reason']} (mark it "
+            f"--optional {name} to run without it)"
+            for name, entry in backends.items()
+            if name in (asked or ()) and name not in optional and not entry["available"]]
+
+
 def verdict_line(report: dict[str, Any], path: str | None = None,
-                 judgement: Judgement | None = None) -> str:
+                 judgement: Judgement | None = None, missing: Sequence[str] = ()) -> str:
     """The closing line of a run: PASSED or FAILED, the new failures by kind, the known bugs
-    met and the expected ones not seen (``judgement``, :mod:`difftest.expectations`), what
+    met and the expected ones not seen (``judgement``, :mod:`difftest.expectations`), the
+    asked-for backends that could not run (``missing``: :func:`unavailable_asked`), what
     did not run, and where the report is."""
     counts = status_counts(report)
     known = Counter(r.status for hits in (judgement.known if judgement else {}).values()
@@ -251,13 +262,14 @@ def verdict_line(report: dict[str, Any], path: str | None = None,
     unseen = judgement.strict_unseen if judgement else []
     cases = len(report["cases"])
     unavailable = sorted(b for b, e in report["backends"].items() if not e["available"])
-    if failing or unseen:
+    if failing or unseen or missing:
         kinds = [f"{counts[s] - known[s]} {s.value}" for s in Status
                  if s in FAILING and counts[s] - known[s]]
         kinds += [f"{crashes} crash(es) left by an earlier run"] if crashes else []
         head = f"FAILED: {failing} new failure(s)" + (f" ({', '.join(kinds)})" if kinds else "")
         head += f" in {cases} cases"
         head += f"; expected bug(s) not seen: {', '.join(unseen)}" if unseen else ""
+        head += (f"; {len(missing)} asked-for backend(s) could not run" if missing else "")
     else:
         head = f"PASSED: {cases} cases, {counts[Status.AGREE]} agreements, no new failure"
     parts = [head]

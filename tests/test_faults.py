@@ -43,18 +43,47 @@ def _run(tmp_path: Path, device_name: str, *options: str) -> list[str]:
 def test_an_asked_for_backend_that_cannot_run_fails_the_run(tmp_path, capsys,
                                                             device_name) -> None:
     code = cli.main(_run(tmp_path, device_name, "--backends", "rounded,probe-raises"))
-    err = capsys.readouterr().err
+    out = capsys.readouterr().out.strip().splitlines()
     assert code == 1
-    assert ("difftest run: FAILED: backend probe-raises was asked for and could not run: "
-            "its availability probe raised RuntimeError") in err
-    assert "(mark it --optional probe-raises to run without it)" in err
+    assert ("FAILED: backend probe-raises was asked for and could not run: "
+            "its availability probe raised RuntimeError") in out[-2]
+    assert "(mark it --optional probe-raises to run without it)" in out[-2]
+    assert out[-1].startswith("FAILED: 0 new failure(s)")  # the verdict line, last
+    assert "1 asked-for backend(s) could not run" in out[-1]
 
 
 def test_an_optional_backend_may_be_unavailable(tmp_path, capsys, device_name) -> None:
     code = cli.main(_run(tmp_path, device_name, "--backends", "rounded,probe-raises",
                          "--optional", "probe-raises"))
-    assert code == 0, capsys.readouterr().err
-    assert "FAILED" not in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "FAILED" not in captured.out + captured.err
+    assert captured.out.strip().splitlines()[-1].startswith("PASSED")
+
+
+@pytest.mark.parametrize("optional", [False, True], ids=["asked", "optional"])
+def test_a_pytest_session_fails_when_an_asked_for_backend_cannot_run(
+        tmp_path: Path, optional: bool) -> None:
+    """``pytest --difftest-backends`` naming a backend that cannot run passed: every test ran
+    on the others, and nothing said the asked-for kernel was never tested."""
+    (tmp_path / "test_tiny.py").write_text(PYTEST_CASES)
+    marked = ["--difftest-optional", "probe-raises"] if optional else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--difftest-plugin",
+         f"{FAKES}:FAULTY_BACKENDS", "--difftest-backends", "rounded,probe-raises",
+         "--difftest-device", "cpu", *marked, "test_tiny.py"], cwd=tmp_path,
+        capture_output=True, text=True, timeout=LIMIT,
+        env=os.environ | {"OMP_NUM_THREADS": "1", "HYPOTHESIS_PROFILE": "ci"})
+    lines = proc.stdout.strip().splitlines()
+    verdict = next(line for line in reversed(lines) if line.startswith(("PASSED", "FAILED")))
+    if optional:
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert verdict.startswith("PASSED")
+    else:
+        assert proc.returncode == 1, proc.stdout[-3000:]
+        assert ("FAILED: backend probe-raises was asked for and could not run: its "
+                "availability probe raised RuntimeError") in proc.stdout
+        assert "1 asked-for backend(s) could not run" in verdict
 
 
 # ----- damaged pending state --------------------------------------------------------------
@@ -335,26 +364,33 @@ def test_tiny(seed, check_case):
 '''
 
 
-def test_an_interrupted_pytest_session_blames_no_kernel(tmp_path: Path) -> None:
-    """A pytest session stopped mid-case (Ctrl-C, a CI timeout's SIGINT) left the case
-    pending, and the next run reported it as a crash of the backend that was running."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_pytest_session_blames_no_kernel(tmp_path: Path, signum: int) -> None:
+    """A pytest session stopped mid-case (Ctrl-C; a CI timeout's SIGINT or SIGTERM) left the
+    case pending, and the next run reported it as a crash of the backend that was running;
+    the report did not say which case the signal stopped."""
     (tmp_path / "slow.py").write_text(SLOW)
     (tmp_path / "test_tiny.py").write_text(PYTEST_CASES)
     marks = tmp_path / "marks"
     marks.mkdir()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--difftest-plugin",
-         "slow.py", "--difftest-backends", "slow", "test_tiny.py"], cwd=tmp_path,
+         "slow.py", "--difftest-backends", "slow", "--difftest-report", "report.json",
+         "test_tiny.py"], cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=os.environ | {"SLOW_MARKS": str(marks), "OMP_NUM_THREADS": "1",
                           "HYPOTHESIS_PROFILE": "ci"})
     _sleeper(marks, proc)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, _ = proc.communicate(timeout=LIMIT)
     assert proc.returncode == 2, out[-3000:]  # pytest's "interrupted"
     art = tmp_path / "difftest-artifacts"
     assert sorted((art / "pending").glob("*")) == []
     assert report_previous_crashes(str(art), "the next run") == []
+    stopped = json.loads((tmp_path / "report.json").read_text())["config"]["interrupted"]
+    assert stopped["signal"] == signal.Signals(signum).name
+    [in_flight] = stopped["in_flight"]
+    assert in_flight["running"] == "slow"
 
 
 def test_a_killed_job_loses_none_of_its_finished_cases(tmp_path: Path) -> None:
