@@ -252,6 +252,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
     from difftest.cases.recorded import recorded_runs
+    from difftest.expectations import judge
+    from difftest.expectations import load as load_expectations
     from difftest.plan import RunPlan, execute, session_report
     from difftest.reach import LineTrace
     from difftest.replay import report_previous_crashes
@@ -298,12 +300,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     # a job of --jobs keeps each record on disk as it ends: one killed loses none
     finished = Path(f"{args.report}.records") if job and args.report else None
     interrupted: Interrupted | None = None
+    expectations = load_expectations()
     try:
         for result in execute(session, plan, Path(args.claims) if job else None):
-            progress.step(result, result.failed and shown < FULL_FAILURES)
+            # a known kernel bug is the closing KNOWN BUG line's, not a message in full
+            new = result.failed and bool(judge([session.records[-1]], expectations).new)
+            progress.step(result, new and shown < FULL_FAILURES)
             if finished is not None:
                 append_json_line(finished, session.records[-1].to_dict())
-            if result.failed:
+            if new:
                 shown = _print_failure(result, session.plugins, shown)
     except Interrupted as exc:
         interrupted = exc

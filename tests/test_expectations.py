@@ -142,3 +142,22 @@ def test_a_known_bug_fails_no_pytest_test(tmp_path: Path) -> None:
                             env=env | {"DIFFTEST_EXPECTATIONS": str(tmp_path / "none.json")},
                             capture_output=True, text=True, timeout=300, check=False)
     assert failed.returncode == 1 and "nan-out" in failed.stdout, failed.stdout
+
+
+def test_a_known_bug_is_one_closing_line_not_a_message_in_full(tmp_path: Path, capsys,
+                                                                monkeypatch) -> None:
+    """``difftest run`` printed each known bug's disagreement in full as it happened (15
+    lines a case), burying the new failures; now only the closing KNOWN BUG line names it."""
+    from difftest import cli
+
+    options = ["run", "--no-corpus", "--examples", "1", "--device", "cpu", "--plugin",
+               f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS", "--backends",
+               "nan-out", "--artifacts", str(tmp_path / "art")]
+    monkeypatch.setenv("DIFFTEST_EXPECTATIONS", str(write(tmp_path, KNOWN_NAN)))
+    assert cli.main(options) == 0
+    known = capsys.readouterr()
+    assert "disagrees with torch-ref" not in known.err
+    assert "KNOWN BUG F97" in known.out
+    monkeypatch.setenv("DIFFTEST_EXPECTATIONS", str(tmp_path / "none.json"))
+    assert cli.main(options) == 1
+    assert "nan-out disagrees with torch-ref" in capsys.readouterr().err
