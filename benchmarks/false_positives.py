@@ -3,7 +3,7 @@
     python -m benchmarks.false_positives --examples 2000 --workers 2 --json fp.json
     python -m benchmarks.false_positives --examples 100 --backends triton-unified
     python -m benchmarks.false_positives --profiles dev,nightly --examples 2000
-    python -m benchmarks.false_positives --family dense --examples 2000 --json fp-dense.json
+    python -m benchmarks.false_positives --families sparse,dense --examples 2000 --json fp.json
 
 ``--profiles`` says how the examples are searched: ``derandomized`` (the default) draws
 ``difftest run``'s fixed set; ``dev`` and ``nightly`` search as ``pytest
@@ -21,8 +21,9 @@ parts and the seed, never on the number of workers. Every backend is correct, so
 disagreement, error or crash is a false positive: it is printed with its case JSON and the
 exit status is 1. The parameter audit of the stretch (:mod:`difftest.audit`) is printed too,
 and its blind spots (an argument a backend accepts that took a single value) also fail the run.
-``--family dense`` draws the dense family instead (:mod:`difftest.cases.dense`, its own small
-geometry; ``--max-batch`` and ``--max-topk`` do not apply).
+``--families sparse,dense`` draws the dense family too (:mod:`difftest.cases.dense`, its own
+small geometry; ``--max-batch`` and ``--max-topk`` do not apply to it); every count is
+reported per family and profile.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ from typing import Any
 from difftest import devices
 from difftest.registry import split_names
 
-DEFAULT_BACKENDS = ("triton-unified", "vllm-triton-sparse", "aiter-gluon@emulated",
+DEFAULT_BACKENDS = ("triton-unified", "vllm-triton-sparse", "vllm-paged-decode",
+                    "vllm-decode-attention", "aiter-unified", "aiter-gluon@emulated",
                     "vllm-aiter@emulated")
+FAMILIES = ("sparse", "dense")
 
 
 def _prepare_worker(device: str, workers: int) -> None:
@@ -56,15 +59,20 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
              ) -> dict[str, Any]:
     """Draw ``examples`` examples under ``seed`` as ``profile`` searches (module docstring),
     fit them to the backends called ``names`` and run every fitted case: the records (as
-    dicts), the failures and generation's summary."""
+    dicts), the failures no known kernel bug explains, the known bugs met and generation's
+    summary."""
     import tempfile
 
     import torch
 
     from difftest.cases.capabilities import Capabilities
     from difftest.cases.generate import generated_cases
+    from difftest.expectations import judge
+    from difftest.expectations import load as load_expectations
     from difftest.runner import FAILING
     from difftest.session import Session
+
+    expectations = load_expectations()
 
     with tempfile.TemporaryDirectory() as artifacts:
         session = Session.create(list(names), device=device, artifacts=artifacts)
@@ -72,15 +80,21 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
         strategy = (capabilities.dense_strategy() if family == "dense" else
                     capabilities.strategy(max_batch=max_batch, max_topk=max_topk))
         failures: list[dict[str, Any]] = []
+        known: list[dict[str, str]] = []
 
         def run(fitted: Any) -> list[tuple[str, float]]:
             result = session.run(fitted.case, fitted.backends)
+            judgement = judge([session.records[-1]], expectations)
+            new = {r.backend for _, r in judgement.new}
+            known.extend({"backend": r.backend, "finding": finding, "profile": profile,
+                          "family": family, "case_id": fitted.case.case_id}
+                         for finding, hits in judgement.known.items() for _, r in hits)
             failed = [r for r in result.results if r.status in FAILING]
             failures.extend({"backend": r.backend, "status": r.status.value,
                              "case": fitted.case.to_dict(), "message": message,
-                             "profile": profile}
+                             "profile": profile, "family": family}
                             for r, message in zip(failed, result.failure_messages(),
-                                                  strict=True))
+                                                  strict=True) if r.backend in new)
             return [(r.backend, r.comparison.max_ratio) for r in result.results
                     if r.comparison is not None]
 
@@ -94,9 +108,10 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
             _search(profile, examples, seed, strategy, capabilities, run)
             drawn_seconds = 0.0  # drawn between the runs
         return {"records": [r.to_dict() for r in session.records], "failures": failures,
+                "known": known,
                 "lines": capabilities.lines(), "examples": capabilities.examples,
                 "unfit": capabilities.examples_unfit, "drawn_seconds": drawn_seconds,
-                "profile": profile}
+                "profile": profile, "family": family}
 
 
 def _search(profile: str, examples: int, seed: int, strategy: Any, capabilities: Any,
@@ -130,13 +145,15 @@ def _search(profile: str, examples: int, seed: int, strategy: Any, capabilities:
 PROFILES = ("derandomized", "dev", "nightly")
 
 
-def _profiles(text: str) -> list[str]:
-    """argparse type: comma-separated profile names."""
-    names = [n for n in text.split(",") if n]
-    wrong = [n for n in names if n not in PROFILES]
-    if wrong or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed {', '.join(PROFILES)}")
-    return names
+def _names_of(allowed: Sequence[str]) -> Any:
+    """argparse type: comma-separated names out of ``allowed``."""
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        if not names or any(n not in allowed for n in names):
+            raise argparse.ArgumentTypeError(f"{text!r}: allowed {', '.join(allowed)} "
+                                             "(comma-separated)")
+        return names
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,10 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--max-batch", type=int, default=2)
     parser.add_argument("--max-topk", type=int, default=4)
-    parser.add_argument("--profiles", type=_profiles, default=["derandomized"],
+    parser.add_argument("--profiles", type=_names_of(PROFILES), default=["derandomized"],
                         help="comma-separated: derandomized, dev, nightly (module docstring)")
-    parser.add_argument("--family", choices=("sparse", "dense"), default="sparse",
-                        help="the case family drawn (default: sparse)")
+    parser.add_argument("--families", type=_names_of(FAMILIES), default=["sparse"],
+                        help="comma-separated case families drawn: sparse, dense "
+                        "(default: sparse)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     device = devices.resolve(args.device)
@@ -174,8 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 initializer=_prepare_worker,
                                                 initargs=(device, args.workers)) as pool:
         futures = [pool.submit(run_part, size, args.seed + i, args.backends, device,
-                               args.max_batch, args.max_topk, profile, args.family)
-                   for profile in args.profiles for i, size in enumerate(sizes) if size]
+                               args.max_batch, args.max_topk, profile, family)
+                   for family in args.families for profile in args.profiles
+                   for i, size in enumerate(sizes) if size]
         parts = []
         for future in futures:  # each part on disk as it ends: a late failure loses nothing
             parts.append(future.result())
@@ -186,15 +205,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     records = [r for part in parts for r in part["records"]]
     failures = [f for part in parts for f in part["failures"]]
+    known = [k for part in parts for k in part["known"]]
+    met = Counter((k["family"], k["profile"], k["backend"]) for k in known)
     examples = sum(part["examples"] for part in parts)
     unfit = sum(part["unfit"] for part in parts)
     statuses = Counter((r["backend"], r["status"]) for e in records for r in e["results"])
     names = sorted({backend for backend, _ in statuses})
-    per_profile = Counter((part["profile"], r["backend"], r["status"]) for part in parts
-                          for e in part["records"] for r in e["results"])
-    found = Counter((f["profile"], f["backend"]) for f in failures)
+    per_profile = Counter((part["family"], part["profile"], r["backend"], r["status"])
+                          for part in parts for e in part["records"] for r in e["results"])
+    found = Counter((f["family"], f["profile"], f["backend"]) for f in failures)
     blind = [f"{c.backend}: {c.argument}" for c in blind_spots(records, backends)]
-    generation = [f"{part['profile']} part {i % args.parts + 1} (seed "
+    generation = [f"{part['family']} {part['profile']} part {i % args.parts + 1} (seed "
                   f"{args.seed + i % args.parts}): {line}"
                   for i, part in enumerate(parts) for line in part["lines"]]
     generation.append(f"examples some backend could not run, all parts: {unfit} of {examples} "
@@ -202,23 +223,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in generation:
         print(f"generation: {line}")
     print("\n".join(audit_lines(records, backends)))
-    print(f"{'profile':<13} {'backend':<24} {'runs':>6} {'agree':>6} {'unsupp.':>7} "
-          f"{'false positives':>15}")
-    for profile in args.profiles:
-        for backend in names:
-            count = {s: n for (p, b, s), n in per_profile.items() if (p, b) == (profile, backend)}
-            print(f"{profile:<13} {backend:<24} {sum(count.values()):>6} "
-                  f"{count.get('agree', 0):>6} {count.get('unsupported', 0):>7} "
-                  f"{found[profile, backend]:>15}")
+    print(f"{'family':<7} {'profile':<13} {'backend':<24} {'runs':>6} {'agree':>6} "
+          f"{'unsupp.':>7} {'known bugs':>10} {'false positives':>15}")
+    table: dict[str, dict[str, dict[str, dict[str, int]]]] = {}
+    for family in args.families:
+        for profile in args.profiles:
+            for backend in names:
+                count = {s: n for (f, p, b, s), n in per_profile.items()
+                         if (f, p, b) == (family, profile, backend)}
+                table.setdefault(family, {}).setdefault(profile, {})[backend] = count | {
+                    "known bugs": met[family, profile, backend],
+                    "false positives": found[family, profile, backend]}
+                print(f"{family:<7} {profile:<13} {backend:<24} {sum(count.values()):>6} "
+                      f"{count.get('agree', 0):>6} {count.get('unsupported', 0):>7} "
+                      f"{met[family, profile, backend]:>10} "
+                      f"{found[family, profile, backend]:>15}")
     by_profile: Counter[str] = Counter()
     for part in parts:
-        by_profile[part["profile"]] += part["examples"]
+        by_profile[f"{part['family']} {part['profile']}"] += part["examples"]
     for failure in failures:
         print(f"FALSE POSITIVE {failure['backend']} {failure['status']}: "
               f"{json.dumps(failure['case'], sort_keys=True)}\n{failure['message']}")
     print(f"blind spots: {', '.join(blind) or 'none'}")
+    findings = Counter(k["finding"] for k in known)
+    print(f"known kernel bugs met (docs/findings.md; not false positives): "
+          f"{', '.join(f'{f} x{n}' for f, n in sorted(findings.items())) or 'none'}")
     print(f"{len(failures)} false positives in {examples} examples ("
-          f"{', '.join(f'{p} {n}' for p, n in by_profile.items())}; {args.family} family) "
+          f"{', '.join(f'{p} {n}' for p, n in by_profile.items())}) "
           f"({len(records)} fitted runs; {args.parts} parts from seed {args.seed}; max batch "
           f"{args.max_batch}, max top-k {args.max_topk}) on {', '.join(names)}; drawing "
           f"{sum(p['drawn_seconds'] for p in parts):.0f} s summed over parts, wall {wall:.0f} s "
@@ -227,14 +258,12 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{torch.__version__})")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"examples": examples, "family": args.family, "parts": args.parts,
+            json.dump({"examples": examples, "families": table, "parts": args.parts,
                        "seed": args.seed,
-                       "profiles": {p: {b: {s: n for (q, c, s), n in per_profile.items()
-                                            if (q, c) == (p, b)} for b in names}
-                                    for p in args.profiles},
                        "runs": len(records), "backends": names, "generation": generation,
                        "statuses": {f"{b} {s}": n for (b, s), n in sorted(statuses.items())},
-                       "false_positives": failures, "blind_spots": blind,
+                       "false_positives": failures, "known_bugs": known,
+                       "blind_spots": blind,
                        "wall_seconds": wall, "command": " ".join(sys.argv)}, fh, indent=1)
     return 1 if failures or blind else 0
 

@@ -34,12 +34,9 @@ if [ "$part" = run ] || [ "$part" = all ]; then
     --report "$out/run.json"
 fi
 if [ "$part" = fp ] || [ "$part" = all ]; then
-  for family in sparse dense; do
-    step "fp-$family" "$py" -m benchmarks.false_positives --device cuda --examples 2000 \
-      --parts 16 --workers 4 --family "$family" \
-      --backends "${real#torch-ref,},aiter-gluon@emulated,vllm-aiter@emulated" \
-      --json "$out/fp-$family.json"
-  done
+  step fp "$py" -m benchmarks.false_positives --device cuda --examples 2000 \
+    --parts 16 --workers 4 --families sparse,dense --profiles derandomized,dev \
+    --json "$out/fp.json"
 fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider
