@@ -89,6 +89,25 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(f"pa_decode_gluon emulator: {message}")
 
 
+def _check_fp32_scale(name: str, scale: object) -> None:
+    """AITER's check that a scale is a float32 tensor."""
+    _aiter_assert(isinstance(scale, torch.Tensor) and scale.dtype == torch.float32,
+                  f"{name} tensor only support dtype == {torch.float32}, "
+                  f"but got {name}.dtype == {getattr(scale, 'dtype', None)}")
+
+
+def _scale_mode(name: str, scale: torch.Tensor, dims: int) -> int:
+    """AITER's quant mode of a scale: 0 for one value, 1 for a ``dims``-D tensor of one value
+    per token and head (its last dimension 1; checked)."""
+    if scale.numel() == 1:
+        return 0
+    _aiter_assert(len(scale.shape) == dims,
+                  f"Expected {dims}D {name} tensor, but got shape {scale.shape}")
+    _aiter_assert(scale.shape[-1] == 1, f"Expected {name}.shape[-1] == 1, "
+                  f"but got {name}.shape[-1]={scale.shape[-1]}")
+    return 1
+
+
 def _aiter_assert(condition: bool, message: str) -> None:
     """Raise AITER's own ``AssertionError`` with its message (kept under ``python -O``
     and untouched by pytest's assertion rewriting)."""
@@ -232,7 +251,7 @@ class GluonEmulator:
         sliding_window: int,
         ps: bool,
     ) -> Launch:
-        fp8, bf16, fp16, fp32 = self.fp8, torch.bfloat16, torch.float16, torch.float32
+        fp8, bf16, fp16 = self.fp8, torch.bfloat16, torch.float16
         # Dimensions are read before any check, as in AITER.
         num_query_heads = query.shape[1]
         head_size = query.shape[-1]
@@ -286,48 +305,14 @@ class GluonEmulator:
 
         query_quant_mode = -1
         if query_scale is not None:
-            _aiter_assert(
-                isinstance(query_scale, torch.Tensor) and query_scale.dtype == fp32,
-                f"query_scale tensor only support dtype == {fp32}, "
-                f"but got query_scale.dtype == {query_scale.dtype}",
-            )
-            query_quant_mode = 0
-            if query_scale.numel() != 1:
-                _aiter_assert(
-                    len(query_scale.shape) == 3,
-                    f"Expected 3D query_scale tensor, but got shape {query_scale.shape}",
-                )
-                _aiter_assert(
-                    query_scale.shape[-1] == 1,
-                    "Expected query_scale.shape[-1] == 1, "
-                    f"but got query_scale.shape[-1]={query_scale.shape[-1]}",
-                )
-                query_quant_mode = 1
+            _check_fp32_scale("query_scale", query_scale)
+            query_quant_mode = _scale_mode("query_scale", query_scale, 3)
 
         kv_quant_mode = -1
         if key_scale is not None and value_scale is not None and key_cache.dtype == fp8:
-            _aiter_assert(
-                isinstance(key_scale, torch.Tensor) and key_scale.dtype == fp32,
-                f"key_scale tensor only support dtype == {fp32}, "
-                f"but got key_scale.dtype == {key_scale.dtype}",
-            )
-            _aiter_assert(
-                isinstance(value_scale, torch.Tensor) and value_scale.dtype == fp32,
-                f"value_scale tensor only support dtype == {fp32}, "
-                f"but got value_scale.dtype == {value_scale.dtype}",
-            )
-            kv_quant_mode = 0
-            if key_scale.numel() != 1:
-                _aiter_assert(
-                    len(key_scale.shape) == 4,
-                    f"Expected 4D key_scale tensor, but got shape {key_scale.shape}",
-                )
-                _aiter_assert(
-                    key_scale.shape[-1] == 1,
-                    "Expected key_scale.shape[-1] == 1, "
-                    f"but got key_scale.shape[-1]={key_scale.shape[-1]}",
-                )
-                kv_quant_mode = 1
+            _check_fp32_scale("key_scale", key_scale)
+            _check_fp32_scale("value_scale", value_scale)
+            kv_quant_mode = _scale_mode("key_scale", key_scale, 4)
             _aiter_assert(
                 key_scale.shape == value_scale.shape,
                 "Key and value scales must have same shape, but got "
