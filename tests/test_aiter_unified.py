@@ -148,19 +148,25 @@ def test_shuffled_views_agree_on_a_tree_that_has_them(tag: str, name: str) -> No
     assert result.results[0].status is Status.AGREE, (tree.version, result.results[0].detail)
 
 
+def direct_kernel(source: Any, page: int) -> tuple[DeviceAnswers, Any, tuple[torch.Tensor, ...]]:
+    """AITER's ``unified_attention`` of ``source`` loaded as for gfx950, and seeded fp16
+    inputs for it: one query of one head of 64, K and V of one ``page``-token page."""
+    answers = DeviceAnswers.for_arch("gfx950")
+    path = source.find("ops/triton/attention/unified_attention.py",
+                       "ops/triton/unified_attention.py")
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 64, generator=generator).half()
+    k = torch.randn(1, page, 1, 64, generator=generator).half()
+    v = torch.randn(1, page, 1, 64, generator=generator).half()
+    return answers, source.load(path, answers).unified_attention, (q, k, v)
+
+
 def direct_call(source: Any, softcap: float = 0.0, window: int = 0,
                 nan_before_window: bool = False, context: int = 16) -> torch.Tensor:
     """AITER's ``unified_attention`` on one 16-token page, one head of 64, fp16, called
     directly (no adapter): the output row. ``context`` < 16 leaves the page's last slots
     past the row's context, NaN."""
-    answers = DeviceAnswers.for_arch("gfx950")
-    path = source.find("ops/triton/attention/unified_attention.py",
-                       "ops/triton/unified_attention.py")
-    unified_attention = source.load(path, answers).unified_attention
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, 64, generator=generator).half()
-    k = torch.randn(1, 16, 1, 64, generator=generator).half()
-    v = torch.randn(1, 16, 1, 64, generator=generator).half()
+    answers, unified_attention, (q, k, v) = direct_kernel(source, 16)
     if nan_before_window:
         v[0, : 16 - window] = float("nan")  # slots the window excludes: never attended
     v[0, context:] = float("nan")  # past the context: never attended
@@ -320,14 +326,7 @@ def direct_block_48(source: Any, shuffled: bool = False) -> torch.Tensor:
     """AITER's ``unified_attention`` on one decode row over one 48-token page (fp16, one head
     of 64; plain ``[1, 48, 1, 64]`` or shuffled K ``[1, 1, 8, 48, 8]`` / V ``[1, 1, 6, 64, 8]``
     views), called directly: the output row."""
-    answers = DeviceAnswers.for_arch("gfx950")
-    path = source.find("ops/triton/attention/unified_attention.py",
-                       "ops/triton/unified_attention.py")
-    unified_attention = source.load(path, answers).unified_attention
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, 64, generator=generator).half()
-    k = torch.randn(1, 48, 1, 64, generator=generator).half()
-    v = torch.randn(1, 48, 1, 64, generator=generator).half()
+    answers, unified_attention, (q, k, v) = direct_kernel(source, 48)
     extra = {}
     if shuffled:  # x = 8 fp16 values: K [n, h, D/x, P, x], V [n, h, P/x, D, x]
         k = k.reshape(1, 48, 1, 8, 8).permute(0, 2, 3, 1, 4).contiguous()
