@@ -36,7 +36,7 @@ from difftest.backends.vllm_imports import (
     triton_availability,
     vllm_version,
 )
-from difftest.backends.vllm_release import chosen_release
+from difftest.backends.vllm_release import chosen_release, release_option
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
@@ -68,11 +68,7 @@ class VllmDecodeAttention:
 
     def with_options(self, options: Mapping[str, str]) -> VllmDecodeAttention:
         """``vllm=<version or path>``: the vLLM release whose kernel runs."""
-        unknown = sorted(set(options) - {"vllm"})
-        if unknown:
-            raise ValueError(f"vllm-decode-attention: unknown option {unknown[0]!r} "
-                             "(options: vllm)")
-        return VllmDecodeAttention(options.get("vllm"))
+        return VllmDecodeAttention(release_option("vllm-decode-attention", options))
 
     def availability(self) -> Availability:
         """Needs vLLM (the chosen release's kernel file), and a GPU or the interpreter."""

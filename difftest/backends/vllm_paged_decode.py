@@ -42,7 +42,7 @@ from difftest.backends.vllm_imports import (
     triton_precision,
     vllm_version,
 )
-from difftest.backends.vllm_release import chosen_release
+from difftest.backends.vllm_release import chosen_release, release_option
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
@@ -100,11 +100,7 @@ class VllmPagedDecode:
 
     def with_options(self, options: Mapping[str, str]) -> VllmPagedDecode:
         """``vllm=<version or path>``: the vLLM release whose kernel runs."""
-        unknown = sorted(set(options) - {"vllm"})
-        if unknown:
-            raise ValueError(f"vllm-paged-decode: unknown option {unknown[0]!r} "
-                             "(options: vllm)")
-        return VllmPagedDecode(options.get("vllm"))
+        return VllmPagedDecode(release_option("vllm-paged-decode", options))
 
     def availability(self) -> Availability:
         """Needs vLLM (the chosen release's kernel file) with the interleaved-V mode, and a
