@@ -106,8 +106,12 @@ def audit(items: Iterable[Mapping[str, Any] | Any], backends: Sequence[Any]) -> 
                 entry["fixed"] = entry["fixed"] or stated.fixed
         for kernel, arguments in kernels.items():
             for argument, entry in arguments.items():
-                out.append(Coverage(name, kernel, argument, tuple(entry["values"]),
-                                    entry["fixed"], entry["shape"], counts[kernel]))
+                values = tuple(entry["values"])
+                # a reason it is fixed holds where it took one value; where it varied, it
+                # is shown varying
+                fixed = entry["fixed"] if len(values) < 2 else ""
+                out.append(Coverage(name, kernel, argument, values, fixed, entry["shape"],
+                                    counts[kernel]))
     return out
 
 

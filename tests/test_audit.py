@@ -64,6 +64,16 @@ def test_one_value_is_blind_a_second_lifts_it_and_fixed_is_never_blind() -> None
     assert mode.fixed == "held" and mode.values == ("off",) and not mode.blind
 
 
+def test_an_argument_stated_fixed_that_varied_is_shown_varying() -> None:
+    """A reason an argument is fixed holds for one geometry (a kernel's shape arguments over
+    the sparse family); where the cases varied it, the audit showed the values and still
+    called it fixed."""
+    runs = [_record("b", "agree", mode="off"), _record("b", "agree", mode="on")]
+    (mode,) = audit(runs, ["b"])
+    assert mode.values == ("off", "on") and mode.fixed == "" and not mode.blind
+    assert not any("fixed" in line for line in audit_lines(runs, ["b"]))
+
+
 def test_only_the_cases_a_backend_ran_count() -> None:
     runs = [_record("b", "agree", scale="1"), _record("b", "unsupported", scale="0.5")]
     (scale,) = audit(runs, ["b"])

@@ -57,8 +57,8 @@ INTERPRETER_BF16_FINDING = (
     "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
     "bfloat16 runs on GPUs")
 M3 = "MiniMax-M3's decode"
-SHAPES = ("follows from the page-16 shapes the case model holds (head dim, KV heads, page "
-          "size; difftest/case.py validate)")
+SHAPES = ("follows from the cache's shapes (head size, KV heads, page size): one value "
+          "over cases of one geometry, such as the sparse family's MiniMax-M3 pages")
 FIXED = {
     "sink_ptr": f"{M3} passes no attention sinks",
     "alibi_slopes_ptr": f"{M3} has no ALiBi",
@@ -84,7 +84,7 @@ FIXED = {
     "stride_v_cache_0": SHAPES, "stride_v_cache_1": SHAPES, "stride_v_cache_2": SHAPES,
     "stride_v_cache_3": "1 in the interleaved-V mode (unused there), the token stride of the "
                         "plain cache otherwise; " + SHAPES,
-    "num_kv_heads": "the case model holds one KV head (difftest/case.py)",
+    "num_kv_heads": SHAPES,
     "FP8_MIN": "a default of the kernel: the platform fp8 range",
     "FP8_MAX": "a default of the kernel: the platform fp8 range",
 }
