@@ -79,15 +79,19 @@ def _at_least(low: float) -> Callable[[str], float]:
     return number
 
 
-def _output_file(text: str) -> str:
-    """argparse type: a file path that can be written (not a directory, nor under a file)."""
-    path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory (allowed: a file path)")
-    for parent in path.parents:
+def _no_file_above(text: str) -> str:
+    """``text``, refused where one of its parents is a file."""
+    for parent in Path(text).parents:
         if parent.exists() and not parent.is_dir():
             raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a file, not a directory")
     return text
+
+
+def _output_file(text: str) -> str:
+    """argparse type: a file path that can be written (not a directory, nor under a file)."""
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory (allowed: a file path)")
+    return _no_file_above(text)
 
 
 def _directory(text: str) -> str:
@@ -95,10 +99,7 @@ def _directory(text: str) -> str:
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file (allowed: a directory)")
-    for parent in path.parents:
-        if parent.exists() and not parent.is_dir():
-            raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a file, not a directory")
-    return text
+    return _no_file_above(text)
 
 
 def _report_file(text: str) -> str:
