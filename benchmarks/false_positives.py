@@ -9,18 +9,21 @@
 ``difftest run``'s fixed set; ``dev`` and ``nightly`` search as ``pytest
 tests/test_differential.py`` does under those Hypothesis profiles (their settings, with each
 backend's error/tolerance as a ``target``, which steers the search toward the cases closest
-to the tolerance: where a false positive would be), each part under ``@seed(seed + i)`` so a
+to the tolerance: where a false positive would be), each part under its own ``@seed`` so a
 stretch can be rerun.
 
 The examples are what ``difftest run`` draws (:class:`difftest.cases.capabilities.
 Capabilities`: every dtype combination and kernel mode some chosen backend runs, each example
 fitted to every backend), with a smaller geometry by default (``--max-batch 2 --max-topk 4``)
-so that thousands fit in minutes. They are drawn in ``--parts`` parts, part ``i`` under seed
-``seed + i``, each drawn and run by one worker process: the set depends on the examples, the
-parts and the seed, never on the number of workers. Every backend is correct, so any
-disagreement, error or crash is a false positive: it is printed with its case JSON and the
-exit status is 1. The parameter audit of the stretch (:mod:`difftest.audit`) is printed too,
-and its blind spots (an argument a backend accepts that took a single value) also fail the run.
+so that thousands fit in minutes. They are drawn in ``--parts`` parts, part ``i`` of the
+``j``-th profile named under seed ``seed + j * parts + i`` (profiles that searched the same
+seeds would draw the same examples), each drawn and run by one worker process: the set
+depends on the examples, the parts, the profiles and the seed, never on the number of workers.
+Every backend is correct, so any disagreement, error or crash no known kernel bug explains is a
+false positive: it is printed with its case JSON and the exit status is 1 (the known bugs met
+are counted apart, :mod:`difftest.expectations`). The parameter audit of the stretch
+(:mod:`difftest.audit`) is printed too, and its blind spots (an argument a backend accepts that
+took a single value) also fail the run.
 ``--families sparse,dense`` draws the dense family too (:mod:`difftest.cases.dense`, its own
 small geometry; ``--max-batch`` and ``--max-topk`` do not apply to it); every count is
 reported per family and profile.
@@ -111,7 +114,7 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
                 "known": known,
                 "lines": capabilities.lines(), "examples": capabilities.examples,
                 "unfit": capabilities.examples_unfit, "drawn_seconds": drawn_seconds,
-                "profile": profile, "family": family}
+                "profile": profile, "family": family, "seed": seed}
 
 
 def _search(profile: str, examples: int, seed: int, strategy: Any, capabilities: Any,
@@ -163,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", type=int, default=16,
-                        help="draw the examples in this many parts, part i under seed + i")
+                        help="draw the examples in this many parts, part i of the j-th "
+                        "profile under seed + j * parts + i")
     parser.add_argument("--backends", type=split_names, default=list(DEFAULT_BACKENDS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workers", type=int, default=2)
@@ -191,9 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=context,
                                                 initializer=_prepare_worker,
                                                 initargs=(device, args.workers)) as pool:
-        futures = [pool.submit(run_part, size, args.seed + i, args.backends, device,
-                               args.max_batch, args.max_topk, profile, family)
-                   for family in args.families for profile in args.profiles
+        futures = [pool.submit(run_part, size, args.seed + j * args.parts + i, args.backends,
+                               device, args.max_batch, args.max_topk, profile, family)
+                   for family in args.families for j, profile in enumerate(args.profiles)
                    for i, size in enumerate(sizes) if size]
         parts = []
         for future in futures:  # each part on disk as it ends: a late failure loses nothing
@@ -215,9 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           for part in parts for e in part["records"] for r in e["results"])
     found = Counter((f["family"], f["profile"], f["backend"]) for f in failures)
     blind = [f"{c.backend}: {c.argument}" for c in blind_spots(records, backends)]
-    generation = [f"{part['family']} {part['profile']} part {i % args.parts + 1} (seed "
-                  f"{args.seed + i % args.parts}): {line}"
-                  for i, part in enumerate(parts) for line in part["lines"]]
+    generation = [f"{part['family']} {part['profile']} (seed {part['seed']}): {line}"
+                  for part in parts for line in part["lines"]]
     generation.append(f"examples some backend could not run, all parts: {unfit} of {examples} "
                       f"({unfit / max(examples, 1):.1%})")
     for line in generation:
