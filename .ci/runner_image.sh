@@ -24,9 +24,10 @@ PIP=(-m pip install -q --progress-bar off --disable-pip-version-check --no-warn-
 
 if [ ! -x "$IMAGE/bin/python" ]; then
   python3 -m venv "$IMAGE"
-  # pytest without pytest-xdist, as on images that ship a test runner: setup adds xdist.
+  # difftest's runtime needs (scripts/setup.sh's runtime group), and pytest without
+  # pytest-xdist, as on images that ship a test runner: setup adds xdist.
   "$IMAGE/bin/python" "${PIP[@]}" torch==2.14.1 triton==3.8.0 numpy packaging regex dill \
-    "hypothesis>=6.100" "setuptools>=68" "pytest>=7.4"
+    "hypothesis>=6.100" "coverage>=7.4" "setuptools>=68" "pytest>=7.4"
   "$IMAGE/bin/python" "${PIP[@]}" --no-deps vllm==0.34.0
 fi
 site=$("$IMAGE/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")

@@ -8,8 +8,9 @@
 #
 # Every requirement is looked up in the venv's python first and installed only when missing;
 # one summary line says what was reused and what was installed. On ROCm/CUDA runner images
-# torch, vLLM and AITER come preinstalled: the venv sees them (--system-site-packages, or the
-# given python's own venv) and pip is constrained to their versions, so it never replaces them.
+# torch, vLLM and AITER come preinstalled: the venv sees them (--system-site-packages, or
+# exactly the site directories of the given python where that is itself a venv) and pip is
+# constrained to their versions, so it never replaces them.
 # On a bare machine it installs the CPU build of torch 2.13.0, triton 3.8.0 (the interpreter
 # version that runs vLLM's kernels, docs/findings.md F2) and vLLM 0.33.0's sources without its
 # serving dependencies. Never installs the PyPI package "aiter" (an unrelated project).
@@ -32,16 +33,23 @@ esac
 VENV_NOTE=""
 if [ ! -x "$VENV/bin/python" ]; then
   if "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
+    # The site directories of a python that is itself a venv (an image built as one): a new
+    # venv made from it would see its base interpreter's packages instead, not its own.
+    parents=$("$PYTHON" -c "import os, sys
+if sys.prefix != sys.base_prefix:
+    print(repr([p for p in sys.path if os.path.basename(p) in ('site-packages', 'dist-packages')]))")
     # Without pip of its own: the venv uses the image's pip and setuptools, which a bundled
     # older copy (Python <= 3.11) would shadow, making setup want a download.
-    "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
-    # A venv's python hands a new venv its base interpreter's packages, not its own: add that
-    # venv's site-packages too (processing its .pth files, so editable installs such as an AITER
-    # checkout stay visible), so its torch (ROCm, CUDA) is the one used.
-    parent=$("$PYTHON" -c "import site, sys; print(site.getsitepackages()[0] if sys.prefix != sys.base_prefix else '')")
-    if [ -n "$parent" ]; then
+    if [ -n "$parents" ]; then
+      # Exactly that venv's view: its site directories in its order (processing their .pth
+      # files, so editable installs such as an AITER checkout stay visible), and none of its
+      # base interpreter's unless it sees them itself.
+      "$PYTHON" -m venv --without-pip "$VENV"
       purelib=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-      echo "import site; site.addsitedir('$parent')" > "$purelib/_difftest_parent_env.pth"
+      echo "import site; list(map(site.addsitedir, $parents))" \
+        > "$purelib/_difftest_parent_env.pth"
+    else
+      "$PYTHON" -m venv --system-site-packages --without-pip "$VENV"
     fi
     "$VENV/bin/python" -c "import pip" >/dev/null 2>&1 || "$VENV/bin/python" -m ensurepip -q
     VENV_NOTE="new $VENV over the packages of $PYTHON"

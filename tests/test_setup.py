@@ -8,6 +8,7 @@ report for the --no-deps vLLM must not appear.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -81,19 +82,25 @@ def test_unknown_argument_is_an_error_naming_it() -> None:
 def test_offline_setup_over_a_preinstalled_image(tmp_path: Path) -> None:
     """A new venv made from a python whose venv holds the needs (a runner image) works offline.
 
-    The new venv sees that venv's packages (torch is the very torch this process imports,
-    wherever it sits: in the venv or in the image beneath it), pip installs nothing from any
-    index, and only the project itself is installed (editable, no download needed).
+    The new venv sees that venv's packages and nothing more: its site directories, in their
+    order, are its own then exactly those of the python it was made from (torch is the very
+    torch this process imports, wherever it sits: in the venv or in the image beneath it; the
+    base interpreter's packages stay out unless that venv sees them). pip installs nothing
+    from any index, and only the project itself is installed (editable, no download needed).
     """
     venv = tmp_path / "venv"
     line = summary_of(run_setup("--test", PYTHON=sys.executable, DIFFTEST_VENV=str(venv)))
     assert f"new {venv} over the packages of {sys.executable}" in line
     assert "installed nothing" in line and "difftest editable (installed)" in line
-    probe = subprocess.run(
-        [str(venv / "bin" / "python"), "-c",
-         "import importlib.util as u, sys; import difftest.backends, difftest.cases;"
-         " print(sys.prefix, u.find_spec('torch').origin)"],
-        capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path)
-    prefix, torch_origin = probe.stdout.split()
+    probe = ("import importlib.util as u, json, os, sys; import difftest.backends, difftest.cases;"
+             " print(json.dumps([sys.prefix, u.find_spec('torch').origin, [p for p in sys.path"
+             " if os.path.basename(p) in ('site-packages', 'dist-packages')]]))")
+    prefix, torch_origin, sites = json.loads(subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path).stdout)
+    _, _, parent_sites = json.loads(subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path).stdout)
     assert Path(prefix) == venv
     assert Path(torch_origin) == Path(importlib.util.find_spec("torch").origin)
+    assert Path(sites[0]).is_relative_to(venv) and sites[1:] == parent_sites, (sites, parent_sites)
