@@ -24,6 +24,7 @@ from difftest.backends.pa_decode_gluon_emulator import (
     make_emulator,
     make_pa_decode_gluon,
 )
+from difftest.backends.vllm_imports import kernel_availability
 
 E4M3FN, E4M3FNUZ = torch.float8_e4m3fn, torch.float8_e4m3fnuz
 FP8_OF_ARCH = {"gfx950": E4M3FN, "gfx942": E4M3FNUZ}
@@ -644,7 +645,7 @@ def _aiter_modules() -> dict:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("aiter") is not None,
-                    reason="a real AITER is installed (see the shadow_real test)")
+                    reason="an aiter package is installed (see the shadow_real test)")
 def test_installed_as_aiter_registers_and_restores() -> None:
     before = _aiter_modules()
     with installed_as_aiter(revision="v0.1.20", arch="gfx942", num_cus=256) as emulator:
@@ -727,14 +728,16 @@ def test_installed_as_aiter_shadows_a_real_aiter_only_when_asked(
 
 @pytest.fixture
 def vllm_sparse_pa(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """vLLM 0.33's unmodified ``sparse_pa`` module, loaded from its file.
+    """The installed vLLM's unmodified ``sparse_pa`` module, loaded from its file.
 
-    Its package ``__init__`` needs ``transformers``; the only vLLM import the file itself
-    makes beyond ``vllm.triton_utils`` is ``SPARSE_BLOCK_SIZE``, stubbed here.
+    Its package ``__init__`` needs ``transformers``; ``SPARSE_BLOCK_SIZE`` is stubbed here.
+    From vLLM 0.34 the file also imports its quantization utilities, which need the serving
+    stack: without it the test skips naming the missing module.
     """
+    kernel = kernel_availability("amd.ops.sparse_pa")
+    if not kernel.available:
+        pytest.skip(kernel.reason)
     spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("vllm is not installed")
     path = Path(spec.submodule_search_locations[0]) / "models/minimax_m3/amd/ops/sparse_pa.py"
     stub = types.ModuleType("vllm.models.minimax_m3.common.ops.sparse_attn")
     stub.SPARSE_BLOCK_SIZE = 128
