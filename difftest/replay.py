@@ -140,9 +140,12 @@ def replay(path: Path, backend_names: list[str] | None, plugins: Sequence[str], 
         if name not in {e["backend"] for e in record["results"]}:
             print(f"  {name:<24} {'not run':<12} {'-':<10} {'-':<13} {was['status']} "
                   f"{_ratio_text(was)} (pass --plugin/--backends to replay it)")
+    # Why, or a refusal reads as a silent skip; an unavailable backend's reason where
+    # --backends named it (`difftest backends` gives every reason).
     for entry in record["results"]:
-        if entry["status"] == "unsupported":  # why, or a refusal reads as a silent skip
-            print(f"  {entry['backend']}: unsupported: {entry['detail']}")
+        if entry["status"] == "unsupported" or (entry["status"] == "unavailable"
+                                                and backend_names is not None):
+            print(f"  {entry['backend']}: {entry['status']}: {entry['detail']}")
     for message in result.failure_messages():
         print(message)
     if result.artifact:

@@ -11,6 +11,8 @@ import pytest
 
 from difftest import cli
 from difftest.artifacts import ArtifactStore
+from difftest.backends.aiter_gluon import AiterGluon
+from difftest.backends.vllm_aiter import VllmAiter
 from difftest.case import Case
 from difftest.cases.corpus import CORPUS_DIR, load_corpus
 from difftest.coverage import case_features
@@ -194,10 +196,20 @@ def test_run_ends_in_its_verdict_and_its_report_holds_the_parameter_audit(
 
 
 def test_repro_says_why_a_backend_refuses_the_case(tmp_path: Path, capsys) -> None:
-    """F14's case: vllm-aiter@emulated refuses it, and the replay prints the reason."""
+    """F14's case: vllm-aiter@emulated refuses it, and the replay prints the reason; where the
+    backend named is unavailable (a vLLM without a module its kernel imports, real AITER off a
+    ROCm GPU), it prints why."""
     case = Path(__file__).parents[1] / "docs/data/fp-vllm-aiter-duplicate-lane.json"
-    assert cli.main(["repro", str(case), "--backends", "vllm-aiter@emulated", "--device", "cpu",
-                     "--artifacts", str(tmp_path / "artifacts")]) == 0
+    assert cli.main(["repro", str(case), "--backends", "vllm-aiter@emulated,aiter-gluon",
+                     "--device", "cpu", "--artifacts", str(tmp_path / "artifacts")]) == 0
     out = capsys.readouterr().out
-    assert "vllm-aiter@emulated      unsupported" in out
-    assert "vllm-aiter@emulated: unsupported: row 3 (position 128) selects no lane" in out
+    availability = VllmAiter(emulated=True).availability()
+    if availability.available:
+        assert "vllm-aiter@emulated      unsupported" in out
+        assert "vllm-aiter@emulated: unsupported: row 3 (position 128) selects no lane" in out
+    else:
+        assert "vllm-aiter@emulated      unavailable" in out
+        assert f"vllm-aiter@emulated: unavailable: {availability.reason}" in out
+    real = AiterGluon().availability()
+    if not real.available:
+        assert f"aiter-gluon: unavailable: {real.reason}" in out
