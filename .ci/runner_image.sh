@@ -94,11 +94,13 @@ image_unchanged() {  # by setup and what ran after it: pip freeze and every file
 image_unchanged setup
 
 "$VENV/bin/difftest" backends
-# Setup, the backends (real, emulated, vLLM 0.34.0's kernels) and the pytest plugin under -n,
-# through the README's test command.
+# Setup, the backends (real, emulated, vLLM 0.34.0's kernels; the tests of vllm-aiter skip
+# naming the module its kernel lacks), the CLI and the pytest plugin under -n, through the
+# README's test command.
 DIFFTEST_VENV=$VENV bash scripts/test.sh -q -p no:cacheprovider \
   tests/test_setup.py tests/test_registry.py tests/test_backend_protocol.py \
-  tests/test_vllm_aiter.py tests/test_vllm_triton_sparse.py tests/test_aiter_gluon.py \
-  tests/test_pinning.py tests/test_differential.py
+  tests/test_vllm_aiter.py tests/test_vllm_aiter_irregular.py tests/test_builder_crosscheck.py \
+  tests/test_pa_decode_gluon_emulator.py tests/test_vllm_triton_sparse.py \
+  tests/test_aiter_gluon.py tests/test_cli.py tests/test_pinning.py tests/test_differential.py
 image_unchanged "the tests"
 echo "ci image: the runner-image leg took $((SECONDS - started)) s"
