@@ -51,6 +51,7 @@ import torch
 from difftest.backend import EmptyRowOutput, Reference, RunInputs
 from difftest.case import Case
 from difftest.dtypes import FP8_DTYPES, torch_dtype
+from difftest.layouts import build_cache
 from difftest.tolerance import Tolerance
 
 MAX_ROWS = 4
@@ -118,7 +119,7 @@ class Explanation:
         if self.controls:
             scope += f", and leaves agreeing row{'s' if len(self.controls) > 1 else ''} " + (
                 ", ".join(map(str, self.controls)) + " agreeing")
-        weak = "" if self.finite_rows else "; non-finite output: it reads a NaN canary"
+        weak = "" if self.finite_rows else "; non-finite output: the read includes a NaN"
         lead = PREFIX if len(self.rows) == len(diagnosed) else "partly " + PREFIX
         return f"{lead}{self.hypothesis} ({self.text}; explains {scope}{weak})"
 
@@ -150,9 +151,9 @@ class _RowModel:
         table, _ = inputs.sparse_table
         self.table = table.cpu()
         self.device = raw.device
-        attended = {s.physical_block for row in inputs.rows for s in row.segments}
+        self.attended = {s.physical_block for row in inputs.rows for s in row.segments}
         self.unattended = next((b for b in range(case.num_blocks - 1, -1, -1)
-                                if b not in attended), None)
+                                if b not in self.attended), None)
 
     def base(self, n: int) -> Read:
         """What row ``n`` should read."""
@@ -240,10 +241,21 @@ class _RowModel:
 
     def keeps_agreeing(self, read: Read, actual: torch.Tensor, truth: Reference) -> bool:
         """Whether the row under ``read`` predicts ``actual`` (an agreeing row's output,
-        float64) within tolerance: a rule that misreads every row must still reproduce the
-        rows that agree. No element is flagged on such a row, so :meth:`explains` (which
-        needs an error to explain) cannot judge it."""
-        return self._predicts(read, actual, truth, self._flagged(truth, actual))[0]
+        float64) within tolerance and would itself agree with ``truth``: a rule that misreads
+        every row must still reproduce the rows that agree. No element is flagged on such a
+        row, so :meth:`explains` (which needs an error to explain) cannot judge it, and the
+        prediction's own tolerance cannot either: a read of huge values (a canary decoded as
+        480) has a tolerance that admits any row."""
+        for nan_as_finite in (False, True):
+            if nan_as_finite and self.case.kv_dtype not in E4M3_NAN_AS_FINITE:
+                break
+            predicted = self.recompute(read, nan_as_finite)
+            if (self._matches(predicted, actual)
+                    and not bool(self._flagged(truth, predicted.output[0]).any())):
+                return True
+            if bool(torch.isfinite(predicted.output).all()):
+                break
+        return False
 
     def _predicts(self, read: Read, actual: torch.Tensor, truth: Reference,
                   flagged: torch.Tensor) -> tuple[bool, bool]:
@@ -369,10 +381,14 @@ def _blocks_shifted(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
 def _unattended_page(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
     case = model.case
     used = -(-base.context_len // case.page_size)
-    for name, block, what in (("page-from-unattended-block", model.unattended,
-                               "a page no row attends (block {b}'s page 0, a NaN canary)"),
-                              ("page-from-null-block", 0, "block 0's page 0 (the null block)")):
-        if block is None or used == 0:
+    table = case.block_tables[model.inputs.rows[n].request]
+    stale = [b for b in table if b not in model.attended][-2:]  # ids its indexer left out
+    blocks = dict.fromkeys([*reversed(stale), model.unattended])
+    choices = [("page-from-unattended-block", b, "a page no row attends (block {b}'s page 0, "
+                "a canary)") for b in blocks if b is not None]
+    choices.append(("page-from-null-block", 0, "block 0's page 0 (the null block)"))
+    for name, block, what in choices:
+        if used == 0:
             continue
         for slot in sorted({0, used - 1}):
             pages = list(base.pages)
@@ -544,22 +560,26 @@ HYPOTHESIS_NAMES: tuple[str, ...] = (
     "query-heads-shifted-back", "page-from-unattended-block",
     "page-from-null-block", "neighbouring-block", "block-0", "block-ids-plus-1",
     "block-ids-minus-1", "other-request-table", "other-query-token-selection",
-    "other-query-token-query",
+    "other-query-token-query", "canary-weighted-by-zero",
 )
 
 
 def _variants(model: _RowModel, n: int) -> Iterator[Variant]:
-    """Row ``n``'s rewritten reads, each once (the first hypothesis naming it keeps it), at
-    most :data:`MAX_VARIANTS_PER_ROW`."""
+    """Row ``n``'s rewritten reads, at most :data:`MAX_VARIANTS_PER_ROW` distinct ones. A
+    read two hypotheses make (a dropped one-token block is one token fewer) comes once per
+    hypothesis: each gets the credit (the caller recomputes it once)."""
     base = model.base(n)
-    seen = {base}
+    reads = {base}
+    named: set[tuple[str, Read]] = set()
     for generate in HYPOTHESES:
         for variant in generate(model, n, base):
-            if variant.read in seen:
+            if variant.read == base or (variant.hypothesis, variant.read) in named:
                 continue
-            if len(seen) > MAX_VARIANTS_PER_ROW:
-                return
-            seen.add(variant.read)
+            if variant.read not in reads:
+                if len(reads) > MAX_VARIANTS_PER_ROW:
+                    return
+                reads.add(variant.read)
+            named.add((variant.hypothesis, variant.read))
             yield variant
 
 
@@ -586,29 +606,22 @@ def _agreeing_rows(actual: torch.Tensor, truth: Reference, tolerance: Tolerance)
     return [int(n) for n in ok.nonzero().flatten()[:MAX_CONTROL_ROWS]]
 
 
-def diagnose(inputs: RunInputs, actual: torch.Tensor, truth: Reference, rows: tuple[int, ...],
-             tolerance: Tolerance, empty_row_output: EmptyRowOutput) -> list[str]:
-    """Lines naming the hypotheses that explain the backend's ``actual`` output on ``rows``
-    (the worst disagreeing rows; at most :data:`MAX_ROWS` are used), best first; ``truth`` is
-    the reference the comparison used.
-
-    A rule (a hypothesis not in :data:`PER_ROW`: a kernel would misread every row so) must
-    also leave up to :data:`MAX_CONTROL_ROWS` agreeing rows agreeing, else it is dropped;
-    rules rank before per-row hypotheses of equal evidence.
-    """
-    rows = tuple(dict.fromkeys(rows))[:MAX_ROWS]
-    if not rows:
-        return [f"{NOTHING}: no attended row disagrees (only rows of context length 0)"]
-    model = _RowModel(inputs, tolerance, empty_row_output)
+def _explanations(model: _RowModel, actual: torch.Tensor, truth: Reference,
+                  rows: tuple[int, ...]) -> tuple[list[Explanation], int]:
+    """The hypotheses that explain some of ``rows`` (rules checked on agreeing rows), ranked
+    best first, and how many rewritten reads were recomputed."""
     found: dict[str, Explanation] = {}
     tried = 0
     for n in rows:
         got = actual[n].detach().to(device=model.device, dtype=torch.float64)
         correct = _row_reference(truth, n, model.device)
         base = model.base(n)
+        judged: dict[Read, tuple[bool, bool]] = {}
         for variant in _variants(model, n):
-            tried += 1
-            matched, finite = model.explains(variant.read, got, correct)
+            if variant.read not in judged:
+                tried += 1
+                judged[variant.read] = model.explains(variant.read, got, correct)
+            matched, finite = judged[variant.read]
             if not matched:
                 continue
             changed = model.changed_tokens(base, variant.read)
@@ -621,7 +634,7 @@ def diagnose(inputs: RunInputs, actual: torch.Tensor, truth: Reference, rows: tu
                 found[variant.hypothesis] = dataclasses.replace(
                     old, rows=(*old.rows, n), finite_rows=old.finite_rows + int(finite),
                     changed_tokens=old.changed_tokens + changed)
-    controls = _agreeing_rows(actual, truth, tolerance)
+    controls = _agreeing_rows(actual, truth, model.tolerance)
     for name, explanation in list(found.items()):
         if name in PER_ROW:
             continue
@@ -634,25 +647,115 @@ def diagnose(inputs: RunInputs, actual: torch.Tensor, truth: Reference, rows: tu
                 break
         else:
             found[name] = dataclasses.replace(explanation, controls=tuple(controls))
-    def evidence(e: Explanation) -> tuple[int, int, bool, int]:
-        return -len(e.rows), -min(e.finite_rows, 1), e.hypothesis in PER_ROW, e.changed_tokens
+    return sorted(found.values(), key=lambda e: (*_evidence(e), e.priority)), tried
 
-    ranked = sorted(found.values(), key=lambda e: (*evidence(e), e.priority))
-    if not ranked:
-        return [f"{NOTHING} ({tried} rewritten reads of rows "
-                f"{', '.join(map(str, rows))} tried)"]
+
+def _evidence(e: Explanation) -> tuple[int, int, bool, int]:
+    return -len(e.rows), -min(e.finite_rows, 1), e.hypothesis in PER_ROW, e.changed_tokens
+
+
+def _lines(ranked: list[Explanation], rows: tuple[int, ...]) -> list[str]:
     lines = [e.line(rows) for e in ranked[:MAX_LINES]]
-    tied = [e.hypothesis for e in ranked[1:] if evidence(e) == evidence(ranked[0])]
+    tied = [e.hypothesis for e in ranked[1:] if _evidence(e) == _evidence(ranked[0])]
     if tied:
         lines[0] = lines[0][:-1] + f"; equally consistent: {', '.join(tied)})"
     return lines
 
 
+@dataclass(frozen=True)
+class Rerun:
+    """How to run the disagreeing backend again, on inputs of the same case whose caches
+    hold other bytes (:func:`finite_canaries`)."""
+
+    run: Callable[[RunInputs], object]
+    in_page_orders: tuple[str, ...]
+
+
+def finite_canaries(inputs: RunInputs, in_page_orders: tuple[str, ...]) -> RunInputs:
+    """``inputs`` with fresh caches in ``in_page_orders`` (and ``plain``, which the
+    recomputation reads) whose every NaN, canary or guard, is replaced by a finite value:
+    one value per 16-token page, differing between pages (both in-page orders hold a page's
+    elements in the same span of the buffer, so they agree on it). A kernel's read of a
+    wrong page then gives a number that says which page it was."""
+    case = inputs.case
+    caches = {}
+    for order in dict.fromkeys(("plain", *in_page_orders)):
+        views = build_cache(case, inputs.data, inputs.rows, order)
+        pages = views.raw.view(-1, case.page_size * case.num_kv_heads * case.head_dim)
+        index = torch.arange(pages.shape[0], device=pages.device)
+        code = index * 40503 % 65536 // 512  # 128 codes, neighbouring pages far apart
+        value = (1 + code % 8 / 8) * 2.0 ** (code // 8 % 4 - 2)  # 0.25 .. 3.75
+        value = torch.where(code >= 64, -value, value).to(pages.dtype)[:, None]
+        pages.copy_(torch.where(pages.isnan(), value.expand_as(pages), pages))
+        caches[order] = views
+    return dataclasses.replace(inputs, _caches=caches, pool=None, calls=[])
+
+
+ZERO_WEIGHTED = "canary-weighted-by-zero"
+
+
+def _rerun_lines(inputs: RunInputs, rerun: Rerun, truth: Reference, rows: tuple[int, ...],
+                 tolerance: Tolerance, empty_row_output: EmptyRowOutput) -> list[str] | None:
+    """The diagnosis of the backend run again on :func:`finite_canaries` inputs, ``None``
+    where that says nothing (no output, or no hypothesis explains it)."""
+    probe = finite_canaries(inputs, rerun.in_page_orders)
+    again = rerun.run(probe)
+    if not isinstance(again, torch.Tensor) or again.shape != truth.output.shape:
+        return None
+    model = _RowModel(probe, tolerance, empty_row_output)
+    still = [n for n in rows if bool(model._flagged(
+        _row_reference(truth, n, model.device),
+        again[n].detach().to(device=model.device, dtype=torch.float64)).any())]
+    if not still:
+        listed = ", ".join(map(str, rows))
+        return [f"{PREFIX}{ZERO_WEIGHTED} (row{'s' if len(rows) > 1 else ''} {listed} agree "
+                "when the pages and slots no row attends hold finite values instead of NaN: "
+                "the kernel loads what the row does not attend and gives it zero weight)"]
+    ranked, _ = _explanations(model, again, truth, rows)
+    if not ranked:
+        return None
+    return [line[:-1] + "; on a rerun with finite canaries)" for line in _lines(ranked, rows)]
+
+
+def diagnose(inputs: RunInputs, actual: torch.Tensor, truth: Reference, rows: tuple[int, ...],
+             tolerance: Tolerance, empty_row_output: EmptyRowOutput,
+             rerun: Rerun | None = None) -> list[str]:
+    """Lines naming the hypotheses that explain the backend's ``actual`` output on ``rows``
+    (the worst disagreeing rows; at most :data:`MAX_ROWS` are used), best first; ``truth`` is
+    the reference the comparison used.
+
+    A rule (a hypothesis not in :data:`PER_ROW`: a kernel would misread every row so) must
+    also leave up to :data:`MAX_CONTROL_ROWS` agreeing rows agreeing, else it is dropped;
+    rules rank before per-row hypotheses of equal evidence. Where a diagnosed row is
+    non-finite (a NaN read makes every element NaN, so every hypothesis that reads some NaN
+    predicts it alike) and ``rerun`` is given, the backend runs again on
+    :func:`finite_canaries` inputs and that output is diagnosed instead, if anything explains
+    it.
+    """
+    rows = tuple(dict.fromkeys(rows))[:MAX_ROWS]
+    if not rows:
+        return [f"{NOTHING}: no attended row disagrees (only rows of context length 0)"]
+    if rerun is not None and not bool(torch.isfinite(actual[list(rows)]).all()):
+        try:
+            again = _rerun_lines(inputs, rerun, truth, rows, tolerance, empty_row_output)
+        except Exception:  # the rerun is extra evidence; its failure leaves the first run's
+            again = None
+        if again:
+            return again
+    ranked, tried = _explanations(_RowModel(inputs, tolerance, empty_row_output), actual,
+                                  truth, rows)
+    if not ranked:
+        return [f"{NOTHING} ({tried} rewritten reads of rows "
+                f"{', '.join(map(str, rows))} tried)"]
+    return _lines(ranked, rows)
+
+
 def diagnosis_lines(inputs: RunInputs, actual: torch.Tensor, truth: Reference,
                     rows: tuple[int, ...], tolerance: Tolerance,
-                    empty_row_output: EmptyRowOutput) -> tuple[str, ...]:
+                    empty_row_output: EmptyRowOutput,
+                    rerun: Rerun | None = None) -> tuple[str, ...]:
     """:func:`diagnose`, with any exception turned into the line ``diagnosis failed: ...``."""
     try:
-        return tuple(diagnose(inputs, actual, truth, rows, tolerance, empty_row_output))
+        return tuple(diagnose(inputs, actual, truth, rows, tolerance, empty_row_output, rerun))
     except Exception as exc:  # a diagnosis never turns a result into an error
         return (f"{FAILED}{type(exc).__name__}: {exc}",)

@@ -36,7 +36,7 @@ from difftest.case import Case
 from difftest.compare import Comparison, compare
 from difftest.coverage import case_features
 from difftest.devices import to_device
-from difftest.diagnosis import diagnosis_lines
+from difftest.diagnosis import Rerun, diagnosis_lines
 from difftest.footprint import refusal
 from difftest.inputs import HostTables, generate, host_tables
 from difftest.kernel_call import KernelCall
@@ -374,7 +374,7 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
         if diagnose and not comparison.agrees:  # what the worst rows read; never raises
             comparison = dataclasses.replace(comparison, diagnosis=diagnosis_lines(
                 inputs, actual, truth, tuple(loc.row for loc in comparison.worst), tolerance,
-                empty_rows))
+                empty_rows, Rerun(backend.run, tuple(backend.in_page_orders))))
     finally:
         timings["compare"] = timings.get("compare", 0.0) + time.perf_counter() - start
     status = Status.AGREE if comparison.agrees else Status.DISAGREE

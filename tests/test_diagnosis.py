@@ -63,18 +63,7 @@ def test_every_harmful_mutation_declares_a_known_hypothesis() -> None:
     assert len(DIAGNOSED) == 16
 
 
-# Wrong-page mutants whose reads land on NaN pages: since the interpreter decodes fp8 NaN
-# bytes as NaN (F27), as GPUs do, every wrong-page hypothesis predicts the same all-NaN rows
-# and the diagnosis cannot tell them apart (open: hypotheses need finite, page-specific
-# fill to be judged on non-finite rows).
-NAN_ROWS = {"triton-unified!read-unselected-page", "triton-unified!v-offset-7",
-            "triton-unified!v-offset-9", "triton-unified!e4m3fn-as-fnuz"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        strict=True, reason="all-NaN rows: wrong-page hypotheses tie (see NAN_ROWS)"))
-    if n in NAN_ROWS else n for n in DIAGNOSED])
+@pytest.mark.parametrize("name", DIAGNOSED)
 def test_planted_bug_is_diagnosed_as_itself(name: str, device: torch.device) -> None:
     mutant = MUTANTS[name]
     case = next(c for c in (CASE, PAST_2_16, MODES) if mutant.mutation.reachable(c))
@@ -233,3 +222,105 @@ def test_an_exact_output_under_a_zero_bound_has_error_over_tolerance_0(
                          Tolerance(backend.precision(CASE, inputs.device)),
                          backend.empty_row_output(CASE), CASE, inputs.rows)
     assert comparison.agrees and comparison.max_ratio == 0.0
+
+
+def test_a_rule_reading_canaries_does_not_pass_for_an_agreeing_row(device: torch.device) -> None:
+    """``read-unselected-page`` on CASE: row 0 reads one canary page (all NaN), rows 1-3 agree.
+    Every page-id rule makes rows 1-3 read canaries too; decoded as e4m3fn's 480 its
+    prediction's tolerance admits any row, so an agreeing row is judged by whether the
+    prediction itself agrees with the truth: none does, and without a rerun the per-row
+    hypothesis is named."""
+    mutant = MUTANTS["triton-unified!read-unselected-page"]
+    inputs = RunInputs(CASE, device)
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    actual = mutant.run(inputs)
+    assert not bool(torch.isfinite(actual[0]).any()) and bool(torch.isfinite(actual[1:]).all())
+    lines = diagnose(inputs, actual, truth, (0,), Tolerance(backend.precision(CASE, device)),
+                     backend.empty_row_output(CASE))
+    assert hypothesis_of(lines[0]) == "page-from-unattended-block", lines
+
+
+def test_finite_canaries_fill_each_page_alike_in_both_orders() -> None:
+    """Every NaN of the plain and the shuffled cache becomes a finite value, one per page and
+    the same in both orders; every other byte is kept; pages differ."""
+    inputs = RunInputs(CASE, torch.device("cpu"))
+    probe = diagnosis.finite_canaries(inputs, ("shuffled",))
+    width = CASE.page_size * CASE.num_kv_heads * CASE.head_dim
+    before = {o: inputs.cache(o).raw.view(-1, width).float() for o in ("plain", "shuffled")}
+    after = {o: probe.cache(o).raw.view(-1, width).float() for o in ("plain", "shuffled")}
+    for order in ("plain", "shuffled"):
+        assert bool(torch.isfinite(after[order]).all())
+        kept = ~before[order].isnan()
+        assert torch.equal(after[order][kept], before[order][kept])
+        assert bool(before[order].isnan().any())
+    nan = before["plain"].isnan()
+    assert torch.equal(nan.sum(1), before["shuffled"].isnan().sum(1))
+    filled = torch.where(nan, after["plain"], float("nan")).nanmean(1)
+    shuffled = torch.where(before["shuffled"].isnan(), after["shuffled"], float("nan")).nanmean(1)
+    assert torch.equal(filled.nan_to_num(), shuffled.nan_to_num())
+    canary_pages = filled[nan.all(1)]
+    assert canary_pages.unique().numel() > canary_pages.numel() // 2
+    assert probe.cache("plain").raw is not inputs.cache("plain").raw
+
+
+def test_a_kernel_that_weights_canaries_by_zero_is_named() -> None:
+    """Rows that are NaN on the canaries and right once the canaries are finite: the kernel
+    loads slots no row attends and multiplies them by zero."""
+    inputs = RunInputs(CASE, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    actual = truth.output.to(torch.float16)
+    actual[0] = float("nan")
+    runs = []
+
+    def rerun(probe: RunInputs) -> torch.Tensor:
+        runs.append(probe)
+        return truth.output.to(torch.float16)
+
+    lines = diagnose(inputs, actual, truth, (0,), Tolerance(backend.precision(CASE, inputs.device)),
+                     backend.empty_row_output(CASE), diagnosis.Rerun(rerun, ("plain",)))
+    assert hypothesis_of(lines[0]) == "canary-weighted-by-zero", lines
+    assert len(runs) == 1 and bool(torch.isfinite(runs[0].cache("plain").raw.float()).all())
+
+
+def test_a_failing_rerun_leaves_the_first_diagnosis(device: torch.device) -> None:
+    def broken(probe: RunInputs) -> torch.Tensor:
+        raise RuntimeError("no second run")
+
+    mutant = MUTANTS["triton-unified!read-unselected-page"]
+    inputs = RunInputs(CASE, device)
+    backend = TritonUnifiedAttention()
+    actual = mutant.run(inputs)
+    lines = diagnose(inputs, actual, TorchReference().reference(inputs), (0,),
+                     Tolerance(backend.precision(CASE, device)), backend.empty_row_output(CASE),
+                     diagnosis.Rerun(broken, ("plain",)))
+    assert hypothesis_of(lines[0]) == "page-from-unattended-block", lines
+    assert "rerun" not in lines[0]
+
+
+# Request 0's row attends only its last block, of 1 token (token 128); request 1's row
+# attends 200 tokens, its last block holding 72.
+ONE_TOKEN_BLOCK = Case(num_blocks=8, seq_lens=(129, 200), block_tables=((5, 1), (2, 7)),
+                       selections=((1, -1), (0, 1)), num_q_heads=4, query_dtype="float16",
+                       kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0,
+                       name="one-token-block")
+
+
+def test_a_read_two_hypotheses_make_credits_both() -> None:
+    """Dropping a last block of one token is reading one token fewer: that read is
+    recomputed once and credited to both, so the hypothesis that explains every row
+    (the dropped block) is named first."""
+    inputs = RunInputs(ONE_TOKEN_BLOCK, torch.device("cpu"))
+    backend = TritonUnifiedAttention()
+    truth = TorchReference().reference(inputs)
+    tolerance = Tolerance(backend.precision(ONE_TOKEN_BLOCK, inputs.device))
+    model = diagnosis._RowModel(inputs, tolerance, backend.empty_row_output(ONE_TOKEN_BLOCK))
+    actual = torch.cat([model.recompute(dataclasses.replace(
+        model.base(n), context_len=model.base(n).context_len - row.segments[-1].tokens)).output
+        for n, row in enumerate(inputs.rows)])
+    lines = diagnose(inputs, actual, truth, (0, 1), tolerance,
+                     backend.empty_row_output(ONE_TOKEN_BLOCK))
+    assert lines[0].startswith(f"{diagnosis.PREFIX}last-block-dropped ("), lines
+    assert "all 2 diagnosed rows" in lines[0]
+    assert any(line.startswith("partly explained by: context-minus-1") for line in lines)
