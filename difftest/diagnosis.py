@@ -29,7 +29,9 @@ agreeing rows agreeing. Ranking: explaining more diagnosed rows, then on finite 
 non-finite row only says that some NaN canary was read), then rules before per-row
 hypotheses, then fewer tokens read differently, then the order of :data:`HYPOTHESIS_NAMES`;
 the first line names the hypotheses tied with it on all but that order ("equally
-consistent"): the output cannot tell them apart.
+consistent"): the output cannot tell them apart. A NaN read makes a whole row NaN, so where
+a diagnosed row is non-finite the backend runs again on :func:`finite_canaries` (a
+:class:`Rerun`) and that output is diagnosed instead (docs/mutation-benchmark.md).
 
 Cost is bounded: each diagnosed row tries at most :data:`MAX_VARIANTS_PER_ROW` rewritten
 reads (per-block rewrites on its first :data:`MAX_SEGMENTS` segments), each one or two row
