@@ -29,7 +29,8 @@ from difftest.jsonfile import append_json_line
 from difftest.registry import RegistryError, split_names
 
 if TYPE_CHECKING:
-    from difftest.expectations import Judgement
+    from difftest.expectations import Expectation, Judgement
+    from difftest.records import CaseRecord
     from difftest.runner import CaseResult
 
 EXIT_UNREADABLE = 2
@@ -211,20 +212,34 @@ class Progress:
         sys.stderr.flush()
 
 
-FULL_FAILURES = 3  # failing cases whose message is printed in full as they happen
+FULL_FAILURES = 3  # failing cases whose message is printed in full as they happen (all jobs)
 
 
-def _print_failure(result: CaseResult, plugins: tuple[str, ...], shown: int) -> int:
-    """Print a failing case's messages (diagnosis included) and its replay command; after
-    :data:`FULL_FAILURES` cases only the progress line and the summary name them. Returns the
-    count of cases printed in full."""
-    if shown >= FULL_FAILURES:
+def _new_failures(result: CaseResult, record: CaseRecord,
+                  expectations: Sequence[Expectation]) -> list[str]:
+    """The failure messages of ``result`` that no known bug (:mod:`difftest.expectations`)
+    explains, one per failing backend: known bugs are named in the closing summary."""
+    from difftest.expectations import judge
+    from difftest.records import FAILING
+
+    new = {r.backend for _, r in judge([record], list(expectations)).new}
+    failing = [r for r in record.results if r.status in FAILING]
+    return [message for r, message in zip(failing, result.failure_messages(), strict=True)
+            if r.backend in new]
+
+
+def _print_failure(messages: list[str], artifact: str | None, plugins: tuple[str, ...],
+                   shown: int, limit: int) -> int:
+    """Print a failing case's new failures (diagnosis included) and its replay command; after
+    ``limit`` cases only the progress line and the summary name them. Returns the count of
+    cases printed in full."""
+    if shown >= limit:
         return shown
-    for message in result.failure_messages():
+    for message in messages:
         print(message, file=sys.stderr)
-    if result.artifact:
-        print(f"  replay: {repro_command(result.artifact, plugins)}", file=sys.stderr)
-    if shown + 1 == FULL_FAILURES:
+    if artifact:
+        print(f"  replay: {repro_command(artifact, plugins)}", file=sys.stderr)
+    if shown + 1 == limit:
         print("(further failures: one line each in the summary; each one's message and replay "
               "command in its failure directory and the report)", file=sys.stderr)
     return shown + 1
@@ -253,7 +268,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
     from difftest.cases.recorded import recorded_runs
-    from difftest.expectations import judge
     from difftest.expectations import load as load_expectations
     from difftest.plan import RunPlan, execute, session_report
     from difftest.reach import LineTrace
@@ -297,20 +311,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                          shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
                          if args.cases_from else ())
     progress = Progress(len(plan.runs), job.count if job else 1)
-    shown = 0
+    shown, limit = 0, max(1, FULL_FAILURES // job.count) if job else FULL_FAILURES
+    expectations = load_expectations()
     # a job of --jobs keeps each record on disk as it ends: one killed loses none
     finished = Path(f"{args.report}.records") if job and args.report else None
     interrupted: Interrupted | None = None
-    expectations = load_expectations()
     try:
         for result in execute(session, plan, Path(args.claims) if job else None):
-            # a known kernel bug is the closing KNOWN BUG line's, not a message in full
-            new = result.failed and bool(judge([session.records[-1]], expectations).new)
-            progress.step(result, new and shown < FULL_FAILURES)
+            record = session.records[-1]
+            new = _new_failures(result, record, expectations) if result.failed else []
+            progress.step(result, bool(new) and shown < limit)
             if finished is not None:
-                append_json_line(finished, session.records[-1].to_dict())
+                append_json_line(finished, record.to_dict())
             if new:
-                shown = _print_failure(result, session.plugins, shown)
+                shown = _print_failure(new, result.artifact, session.plugins, shown, limit)
     except Interrupted as exc:
         interrupted = exc
     config = {"runner": "difftest run", "examples": args.examples, "seed": args.seed,

@@ -710,9 +710,10 @@ def _rerun_lines(inputs: RunInputs, rerun: Rerun, truth: Reference, rows: tuple[
         again[n].detach().to(device=model.device, dtype=torch.float64)).any())]
     if not still:
         listed = ", ".join(map(str, rows))
-        return [f"{PREFIX}{ZERO_WEIGHTED} (row{'s' if len(rows) > 1 else ''} {listed} agree "
-                "when the pages and slots no row attends hold finite values instead of NaN: "
-                "the kernel loads what the row does not attend and gives it zero weight)"]
+        rows_agree = f"rows {listed} agree" if len(rows) > 1 else f"row {listed} agrees"
+        return [f"{PREFIX}{ZERO_WEIGHTED} ({rows_agree} when the pages and slots no row attends "
+                "hold finite values instead of NaN: the kernel loads what the row does not "
+                "attend and gives it zero weight)"]
     ranked, _ = _explanations(model, again, truth, rows)
     if not ranked:
         return None

@@ -1,0 +1,60 @@
+"""What ``difftest run`` prints: a new failure's message, its diagnosis and its replay command
+on the first screen, the verdict line last, within a line budget; a known bug is named in the
+closing summary, not printed in full as it happens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+from difftest import cli, expectations
+from difftest.expectations import Expectation
+
+LINE_BUDGET = 80  # a run's default output
+FIRST_SCREEN = 50  # where a failure, its diagnosis and its replay command must show
+MUTANT = "triton-unified!page-stride-8"
+# two generated cases: the first (one LBHNC block) is killed, the second (LHBNC) agrees
+RUN = ["run", "--plugin", "mutants.catalog", "--backends", MUTANT, "--no-corpus",
+       "--examples", "2"]
+
+
+def _run(tmp_path: Path, capsys: pytest.CaptureFixture[str], device: str) -> tuple[int, list[str]]:
+    code = cli.main([*RUN, "--device", device, "--artifacts", str(tmp_path / "art"),
+                     "--report", str(tmp_path / "r.json")])
+    captured = capsys.readouterr()  # progress and failures on stderr, before the closing
+    return code, (captured.err + captured.out).splitlines()
+
+
+def _index(lines: list[str], start: str) -> int:
+    return next(i for i, line in enumerate(lines) if line.startswith(start))
+
+
+def test_a_failing_run_shows_its_failure_diagnosis_and_replay_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], device_name: str) -> None:
+    code, lines = _run(tmp_path, capsys, device_name)
+    assert code == 1
+    assert len(lines) <= LINE_BUDGET, "\n".join(lines)
+    failure = _index(lines, f"{MUTANT} disagrees with torch-ref on case ")
+    diagnosis = _index(lines, "  Diagnosis (what the worst rows read instead):")
+    replay = _index(lines, "  replay: difftest repro ")
+    assert failure < diagnosis < replay < FIRST_SCREEN, "\n".join(lines)
+    assert lines[diagnosis + 1].startswith("    explained by: page-stride-8 ("), lines
+    assert "--plugin mutants.catalog" in lines[replay]
+    assert lines[-1].startswith("FAILED: 1 new failure(s) (1 disagree) in 2 cases; ")
+    assert lines[-1].endswith(f"report {tmp_path / 'r.json'}")
+
+
+def test_a_known_bug_is_named_in_the_summary_not_printed_in_full(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], device_name: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    known = Expectation("F0", "page ids at stride 8", (MUTANT,), "triton", SpecifierSet(">=0"),
+                        {})
+    monkeypatch.setattr(expectations, "load", lambda path=None: [known])
+    code, lines = _run(tmp_path, capsys, device_name)
+    assert code == 0, "\n".join(lines)
+    assert not any("disagrees with" in line or "Diagnosis" in line for line in lines), lines
+    assert any("F0" in line for line in lines[:-1]), lines
+    assert lines[-1].startswith("PASSED: "), lines
+    assert len(lines) <= LINE_BUDGET
