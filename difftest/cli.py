@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -183,13 +184,14 @@ class Progress:
     line rewritten in place on a terminal; elsewhere (CI logs) a line every tenth of the
     cases and one above each failure printed in full, so a log stays short."""
 
-    def __init__(self, total: int, share: int = 1) -> None:
-        self.total = total
+    def __init__(self, total: int) -> None:
+        self.total = total  # the run's cases (all jobs')
         self.done = 0
         self.start = time.perf_counter()
         self.tty = sys.stderr.isatty()
-        # a job of --jobs (one of ``share``) prints its tenth of the lines
-        self.every = max(1, math.ceil(total * max(share, 1) / 10 / max(share, 1) ** 2))
+        # every tenth of the run's cases: the jobs of --jobs, each counting its own, print
+        # about ten lines together
+        self.every = max(1, math.ceil(total / 10))
 
     def step(self, result: CaseResult, shown: bool = False) -> None:
         """Advance by one case; ``shown``: its failure is printed below this line (so this
@@ -212,6 +214,7 @@ class Progress:
         sys.stderr.flush()
 
 
+UNFIT = re.compile(r"could not fit for (?P<backend>\S+): (?P<count>\d+) example\(s\) ")
 FULL_FAILURES = 3  # failing cases whose message is printed in full as they happen (all jobs)
 
 
@@ -310,7 +313,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                            capabilities.dense_strategy())],
                          shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
                          if args.cases_from else ())
-    progress = Progress(len(plan.runs), job.count if job else 1)
+    progress = Progress(len(plan.runs))
     shown, limit = 0, max(1, FULL_FAILURES // job.count) if job else FULL_FAILURES
     expectations = load_expectations()
     # a job of --jobs keeps each record on disk as it ends: one killed loses none
@@ -397,16 +400,26 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
         print("\n".join(audit_lines(report["cases"], config.get("backends", []))))
         print(coverage_table(case_records(report)))
     else:
+        audit = f"difftest audit {path}" if path else "--audit"
         fitted = [line for line in generation if line.startswith("fitted for ")]
         if fitted:
             print(f"generation: {len(fitted)} kinds of fitted variants (what changed for which "
-                  f"backend and why: {'difftest audit ' + path if path else '--audit'})")
+                  f"backend and why: {audit})")
+        unfit: dict[str, int] = {}  # backend -> examples no variant fits, one line each
+        for line in generation:
+            if match := UNFIT.match(line):
+                unfit[match["backend"]] = unfit.get(match["backend"], 0) + int(match["count"])
+        print("\n".join(f"generation: could not fit for {backend}: {count} example(s) "
+                        f"reported unsupported (each reason: {audit})"
+                        for backend, count in unfit.items()))
         print("\n".join(f"generation: {line}" for line in generation
-                        if not line.startswith("fitted for ")))
+                        if not line.startswith("fitted for ") and not UNFIT.match(line)))
         print("\n".join(blind_spot_lines(config.get("audit"), path)))
     print("\n".join(unavailable_lines(report)))
-    print(summary(report, unavailable=False, coverage=False, max_failures=10))
     judgement = judge(case_records(report), load_expectations())
+    known = frozenset((case.case_id, result.backend) for pairs in judgement.known.values()
+                      for case, result in pairs)
+    print(summary(report, unavailable=False, coverage=False, max_failures=10, known=known))
     for line in judgement.lines():
         print(line)
     for line in missing:

@@ -209,11 +209,14 @@ def status_matrix(cases: list[CaseRecord]) -> dict[str, Counter[Status]]:
     return matrix
 
 
-def failure_lines(cases: list[CaseRecord], plugins: tuple[str, ...] = ()) -> list[str]:
-    """One line per failing case: what failed and the command that replays it."""
+def failure_lines(cases: list[CaseRecord], plugins: tuple[str, ...] = (),
+                  known: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
+    """One line per failing case: what failed and the command that replays it; ``known``:
+    ``(case id, backend)`` results a known bug explains, left out (named elsewhere)."""
     lines = []
     for case in cases:
-        failing = [r for r in case.results if r.status in FAILING]
+        failing = [r for r in case.results
+                   if r.status in FAILING and (case.case_id, r.backend) not in known]
         if not failing:
             continue
         label = "CRASH" if any(r.status is Status.CRASH for r in failing) else "FAILED"
@@ -305,10 +308,12 @@ def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None,
 
 
 def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20,
-            unavailable: bool = True, coverage: bool = True) -> str:
+            unavailable: bool = True, coverage: bool = True,
+            known: frozenset[tuple[str, str]] = frozenset()) -> str:
     """Agreement matrix, cases per backend, the worst cases and every failure, as text;
     ``unavailable``: with each unavailable backend's reason (:func:`unavailable_lines`);
-    ``coverage``: with the feature coverage table."""
+    ``coverage``: with the feature coverage table; ``known``: ``(case id, backend)``
+    results of known bugs, left out of the failure lines."""
     cases = case_records(report)
     matrix = status_matrix(cases)
     width = max([len(b) for b in matrix] + [7])
@@ -335,7 +340,7 @@ def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20,
     if unavailable:
         lines += unavailable_lines(report)
     plugins = tuple(report.get("config", {}).get("plugins", ()))
-    failures = failure_lines(cases, plugins) + [
+    failures = failure_lines(cases, plugins, known) + [
         f"CRASH case {c.case_id} (in an earlier run): replay with "
         f"{repro_command(c.artifact or '-', c.plugins or ())}"
         for c in case_records(report, "earlier_crashes")]

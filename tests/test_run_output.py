@@ -54,7 +54,29 @@ def test_a_known_bug_is_named_in_the_summary_not_printed_in_full(
     monkeypatch.setattr(expectations, "load", lambda path=None: [known])
     code, lines = _run(tmp_path, capsys, device_name)
     assert code == 0, "\n".join(lines)
-    assert not any("disagrees with" in line or "Diagnosis" in line for line in lines), lines
+    assert not any("disagrees with" in line or "Diagnosis" in line or line.startswith(
+        "FAILED case") for line in lines), lines
     assert any("F0" in line for line in lines[:-1]), lines
     assert lines[-1].startswith("PASSED: "), lines
     assert len(lines) <= LINE_BUDGET
+
+
+def test_examples_no_variant_fits_are_counted_per_backend(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Generation's reasons for examples it could not fit (one line per reason, some 300
+    characters) are one line per backend, pointing at the audit that lists them."""
+    reason = "reported unsupported: head_dim 96: " + "x" * 200
+    report = {"config": {"generation": [
+        f"could not fit for a@emulated: 1 example(s) {reason}",
+        f"could not fit for a@emulated: 2 example(s) {reason}",
+        f"could not fit for b: 4 example(s) {reason}",
+        "redrawn 1 example(s) b runs in no variant: sliding_window"]},
+        "backends": {}, "cases": []}
+    cli._print_closing(report, "r.json", full_audit=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "could not fit" in line] == [
+        "generation: could not fit for a@emulated: 3 example(s) reported unsupported (each "
+        "reason: difftest audit r.json)",
+        "generation: could not fit for b: 4 example(s) reported unsupported (each reason: "
+        "difftest audit r.json)"]
+    assert "generation: redrawn 1 example(s) b runs in no variant: sliding_window" in lines
