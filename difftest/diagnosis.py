@@ -44,6 +44,7 @@ raises (a failure is the line ``diagnosis failed: ...``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -690,7 +691,9 @@ def finite_canaries(inputs: RunInputs, in_page_orders: tuple[str, ...]) -> RunIn
         value = torch.where(code >= 64, -value, value).to(pages.dtype)[:, None]
         pages.copy_(torch.where(pages.isnan(), value.expand_as(pages), pages))
         caches[order] = views
-    return dataclasses.replace(inputs, _caches=caches, pool=None, calls=[])
+    probe = copy.copy(inputs)  # shares the data, rows and tables already built
+    probe._caches, probe.pool, probe.calls = caches, None, []
+    return probe
 
 
 ZERO_WEIGHTED = "canary-weighted-by-zero"
