@@ -5,12 +5,14 @@ closing summary, not printed in full as it happens."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from packaging.specifiers import SpecifierSet
 
 from difftest import cli, expectations
 from difftest.expectations import Expectation
+from difftest.records import Status
 
 LINE_BUDGET = 80  # a run's default output
 FIRST_SCREEN = 50  # where a failure, its diagnosis and its replay command must show
@@ -80,3 +82,18 @@ def test_examples_no_variant_fits_are_counted_per_backend(
         "generation: could not fit for b: 4 example(s) reported unsupported (each reason: "
         "difftest audit r.json)"]
     assert "generation: redrawn 1 example(s) b runs in no variant: sliding_window" in lines
+
+
+def test_the_jobs_of_a_run_print_about_ten_progress_lines_together(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each job counts its own cases against the run's total: two jobs sharing 189 cases
+    print a line every 19 of their own, about ten lines in all (not ten each)."""
+    case = SimpleNamespace(case_id="c", name="")
+    result = SimpleNamespace(case=case, results=[SimpleNamespace(
+        status=Status.AGREE, backend="b")])
+    for share in (95, 94):
+        progress = cli.Progress(189)
+        for _ in range(share):
+            progress.step(result)  # type: ignore[arg-type]
+    lines = capsys.readouterr().err.splitlines()
+    assert 8 <= len(lines) <= 10 and lines[0].startswith("19/189 "), lines
