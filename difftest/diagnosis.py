@@ -66,6 +66,7 @@ MAX_CONTROL_ROWS = 2
 PREFIX = "explained by: "
 NOTHING = "no simple hypothesis explains it"
 FAILED = "diagnosis failed: "
+ZERO_WEIGHTED = "canary-weighted-by-zero"  # rows NaN on canaries, right on finite ones
 EXPLAINED_SHARE = 0.5  # of the error on each flagged element that a hypothesis must remove
 E4M3_NAN_AS_FINITE = {"float8_e4m3fn": 480.0, "float8_e4m3fnuz": 0.0}
 
@@ -563,7 +564,7 @@ HYPOTHESIS_NAMES: tuple[str, ...] = (
     "query-heads-shifted-back", "page-from-unattended-block",
     "page-from-null-block", "neighbouring-block", "block-0", "block-ids-plus-1",
     "block-ids-minus-1", "other-request-table", "other-query-token-selection",
-    "other-query-token-query", "canary-weighted-by-zero",
+    "other-query-token-query", ZERO_WEIGHTED,
 )
 
 
@@ -694,9 +695,6 @@ def finite_canaries(inputs: RunInputs, in_page_orders: tuple[str, ...]) -> RunIn
     probe = copy.copy(inputs)  # shares the data, rows and tables already built
     probe._caches, probe.pool, probe.calls = caches, None, []
     return probe
-
-
-ZERO_WEIGHTED = "canary-weighted-by-zero"
 
 
 def _rerun_lines(inputs: RunInputs, rerun: Rerun, truth: Reference, rows: tuple[int, ...],
