@@ -89,6 +89,15 @@ class Expectation:
                                       and result.comparison.nonfinite > 0)
 
 
+def known_bug(expectations: Iterable[Expectation], case: Mapping[str, Any],
+              result: ResultRecord) -> str | None:
+    """The finding of the first expectation that explains ``result`` on ``case`` (a case's
+    dict), else ``None``."""
+    record = CaseRecord(case_id=str(case.get("id", "")), name="", case=dict(case),
+                        features={}, reference="", results=[result])
+    return next((e.finding for e in expectations if e.explains(record, result)), None)
+
+
 @dataclass
 class Judgement:
     """A run's failing results sorted by the expectations."""

@@ -22,7 +22,7 @@ import dataclasses
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
@@ -240,14 +240,15 @@ def run_case(
     backends: list[Backend],
     device: torch.device,
     prepared: PreparedHost | None = None,
-    diagnose: bool = True,
+    diagnose: bool | Callable[[Case, BackendResult], bool] = True,
     caches: CachePool | None = None,
     hooks: Sequence[RunHooks] = (),
 ) -> CaseResult:
     """Run ``case`` through ``reference`` and ``backends`` and judge each backend;
     ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`); ``diagnose``:
     whether a disagreement gets its :mod:`difftest.diagnosis` (what the worst rows read
-    instead; a benchmark that only counts verdicts can skip its cost); ``caches``: a pool the
+    instead; a benchmark that only counts verdicts can skip its cost), or a predicate of the
+    case and the disagreeing result (a session skips known kernel bugs); ``caches``: a pool the
     session keeps across cases, so that each cache is restored and rewritten where cases
     differ instead of filled whole (the same bytes); it is cleared after a case in which a
     backend failed, in case the backend wrote into its input cache; ``hooks``: observers of
@@ -318,7 +319,8 @@ def _orders_built(case: Case, backends: Sequence[Backend], device: torch.device)
 
 
 def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
-                 timings: dict[str, float], diagnose: bool,
+                 timings: dict[str, float],
+                 diagnose: bool | Callable[[Case, BackendResult], bool],
                  hooks: Sequence[RunHooks]) -> BackendResult:
     case, device = inputs.case, inputs.device
     availability = backend.availability()
@@ -371,7 +373,10 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
                              f"its output could not be compared:\n{_traceback()}",
                              versions=versions, calls=calls)
     else:
-        if diagnose and not comparison.agrees:  # what the worst rows read; never raises
+        disagrees = BackendResult(backend.name, Status.DISAGREE, seconds, comparison=comparison,
+                                  versions=versions)
+        if not comparison.agrees and (diagnose(case, disagrees) if callable(diagnose)
+                                      else diagnose):  # what the worst rows read; never raises
             comparison = dataclasses.replace(comparison, diagnosis=diagnosis_lines(
                 inputs, actual, truth, tuple(loc.row for loc in comparison.worst), tolerance,
                 empty_rows, Rerun(backend.run, tuple(backend.in_page_orders))))

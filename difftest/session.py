@@ -24,11 +24,13 @@ from difftest.artifacts import DEFAULT_ROOT, ArtifactStore
 from difftest.backend import Backend, ReferenceBackend, serves_as_reference
 from difftest.case import Case
 from difftest.coverage import case_features
+from difftest.expectations import Expectation, known_bug
+from difftest.expectations import load as load_expectations
 from difftest.fingerprint import fingerprint
 from difftest.layouts import CachePool
 from difftest.records import CaseRecord
 from difftest.report import backend_entry
-from difftest.runner import CaseResult, Preparation, RunHooks, run_case
+from difftest.runner import BackendResult, CaseResult, Preparation, RunHooks, run_case
 
 DEFAULT_REFERENCE = "torch-ref"
 
@@ -67,6 +69,9 @@ class Session:
     _pool: ProcessPoolExecutor | None = field(default=None, repr=False, compare=False)
     # the cache buffers reused from case to case (difftest.layouts.CachePool)
     caches: CachePool = field(default_factory=CachePool, repr=False, compare=False)
+    # the known kernel bugs (difftest.expectations): their disagreements are not diagnosed
+    expectations: list[Expectation] = field(default_factory=load_expectations, repr=False,
+                                            compare=False)
 
     @classmethod
     def create(
@@ -124,6 +129,11 @@ class Session:
             case, backends, prepared = queue.popleft()
             yield self._run(case, backends, prepared)
 
+    def _worth_diagnosing(self, case: Case, result: BackendResult) -> bool:
+        """A disagreement is diagnosed unless a known kernel bug explains it (its finding
+        says what it reads; the diagnosis would rerun the kernel for nothing)."""
+        return known_bug(self.expectations, case.to_dict(), result.record()) is None
+
     def pool(self) -> Executor:
         """The session's preparation worker (one process, started on first use; spawned, so
         it inherits no device state)."""
@@ -144,6 +154,7 @@ class Session:
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
         host = None if prepared is None else prepared.host()
         result = run_case(case, self.reference, chosen, self.device, host, caches=self.caches,
+                          diagnose=self._worth_diagnosing,
                           hooks=[StoreHooks(self.store), *self.hooks])
         # The case as begin serialised it and the features from generation's rows (or from
         # the worker): neither is built twice (at production shape each cost about 10 to

@@ -161,3 +161,21 @@ def test_a_known_bug_is_one_closing_line_not_a_message_in_full(tmp_path: Path, c
     monkeypatch.setenv("DIFFTEST_EXPECTATIONS", str(tmp_path / "none.json"))
     assert cli.main(options) == 1
     assert "nan-out disagrees with torch-ref" in capsys.readouterr().err
+
+
+def test_a_known_bug_is_not_diagnosed(tmp_path: Path, monkeypatch) -> None:
+    """The diagnosis reruns a kernel whose rows are NaN: for a disagreement a known bug
+    explains, that cost bought nothing the finding does not say."""
+    from difftest.case import Case
+    from difftest.session import Session
+
+    case = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),))
+    plugin = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"
+    diagnoses = []
+    for known in ([KNOWN_NAN], []):
+        monkeypatch.setenv("DIFFTEST_EXPECTATIONS", str(write(tmp_path, *known)))
+        session = Session.create(["nan-out"], [plugin], "cpu", str(tmp_path / "art"))
+        [result] = session.run(case).results
+        assert result.status is Status.DISAGREE
+        diagnoses.append(result.comparison.diagnosis)
+    assert not diagnoses[0] and diagnoses[1]
