@@ -50,17 +50,21 @@ import argparse
 import concurrent.futures
 import hashlib
 import multiprocessing
+import re
+import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from packaging.version import InvalidVersion, Version
 
 from difftest import devices
 from difftest.backend import Backend, RunInputs
@@ -77,23 +81,19 @@ ABLATION_MODES: tuple[str, ...] = tuple(m for m in MODE_DEFAULTS if m != "seq_th
 FAILED = frozenset(s.value for s in FAILING)
 
 
-def release_tuple(version: str) -> tuple[int, ...]:
-    """``"0.30.0"`` -> ``(0, 30, 0)`` (the numeric leading parts only)."""
-    parts = []
-    for part in version.split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits or digits != part:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+def release_version(name: str) -> Version:
+    """A release name as a version: ``"0.30.0"``, an AITER tag ``"v0.1.16.post3"``."""
+    return Version(name.removeprefix("v"))
 
 
 @dataclass(frozen=True)
 class HistoricalBug:
-    """A bug vLLM shipped in the kernel of ``backend``: the last release with it, the first
-    without (``""``: not fixed yet, no pair to hunt, but it explains failures), the kernel mode
-    whose removal makes its failures agree (the ablation's explanation), and what a case needs
-    to trigger it (a predicate, for tests)."""
+    """A bug a release shipped in the kernel of ``backend``: the last release with it, the
+    first without (``""``: not fixed yet, no pair to hunt, but it explains failures), the
+    first with it where older releases lack it (``since``), the kernel mode whose removal
+    makes its failures agree (the ablation's explanation; ``""`` for a bug of the geometry),
+    or the text of the error the kernel raises (``error``: such a failure is shown by that
+    error on a case meeting ``needs``), and what a case needs to trigger it."""
 
     name: str
     buggy: str
@@ -102,16 +102,45 @@ class HistoricalBug:
     mode: str
     needs: Callable[[Case], bool]
     backend: str = "triton-unified"
+    error: str = ""
+    since: str = ""
+
+    @property
+    def option(self) -> str:
+        """The backend option that names a release: ``aiter`` (an AITER tag) or ``vllm``."""
+        return "aiter" if self.backend.startswith("aiter-") else "vllm"
+
+    @property
+    def control(self) -> str:
+        """The control backend: the bug's backend on the environment's release where that
+        release has the fix (the venv's vLLM); none (``""``) for AITER, whose wheel
+        (0.1.7.post2.dev18) predates the fixes."""
+        return self.backend if self.option == "vllm" else ""
+
+    def release_name(self, release: str) -> str:
+        """The backend name that runs ``release``, e.g. ``aiter-unified[aiter=v0.1.11]``."""
+        return f"{self.backend}[{self.option}={release}]"
 
     def present_in(self, release: str) -> bool:
-        """Whether ``release`` (``backend@version``, see :func:`_version`) has this bug."""
+        """Whether ``release`` (``backend@version``, see :func:`release_of`) has this bug."""
         backend, _, version = release.rpartition("@")
-        return backend == self.backend and (
-            not self.fixed or release_tuple(version) < release_tuple(self.fixed))
+        if backend != self.backend:
+            return False
+        try:
+            found = release_version(version)
+        except InvalidVersion:
+            return False
+        return ((not self.fixed or found < release_version(self.fixed))
+                and (not self.since or found >= release_version(self.since)))
 
     def explains(self, release: str, case: Case) -> bool:
         """Whether a failure of ``release`` on ``case`` may be this bug."""
         return self.present_in(release) and self.needs(case)
+
+    def raised_by(self, release: str, case: Case, status: str, detail: str) -> bool:
+        """Whether a result of ``release`` on ``case`` is this bug's error."""
+        return (bool(self.error) and status == Status.ERROR.value and self.error in detail
+                and self.explains(release, case))
 
 
 def max_abs_logit(case: Case) -> float:
@@ -125,18 +154,23 @@ def max_abs_logit(case: Case) -> float:
     return float((query @ keys.T).abs().max()) * case.softmax_scale
 
 
-def loads_unread_slots_past_the_context(case: Case) -> bool:
-    """Whether, with ``canary``, some row's last 16-token tile holds slots past its context
-    that no row reads (NaN there; fp8 canaries read as finite under the interpreter)."""
-    if not case.canary or (case.is_fp8 and devices.interpreted()):
-        return False
-    rows = build_rows(case)
+def _read_slots(case: Case) -> set[int]:
+    """The cache slots (``block * block_size + token``) some row reads, its window applied."""
     read = set()
-    for row in rows:
+    for row in build_rows(case):
         ids = [seg.physical_block * case.block_size + t for seg in row.segments
                for t in range(seg.tokens)]
         read.update(ids[-case.sliding_window:] if case.sliding_window else ids)
-    for row in rows:
+    return read
+
+
+def loads_unread_slots_past_the_context(case: Case) -> bool:
+    """Whether, with ``canary``, some row's last page (``page_size`` tokens) holds slots past
+    its context that no row reads (NaN there)."""
+    if not case.canary:
+        return False
+    read = _read_slots(case)
+    for row in build_rows(case):
         if row.segments:
             tail = row.segments[-1]
             end = -(-tail.tokens // case.page_size) * case.page_size
@@ -146,16 +180,43 @@ def loads_unread_slots_past_the_context(case: Case) -> bool:
     return False
 
 
+def loads_unread_slots_before_the_window(case: Case) -> bool:
+    """Whether, with ``canary`` and a sliding window, the page (``page_size`` tokens) where
+    some row's window starts holds slots before the window that no row reads (NaN there)."""
+    if not (case.canary and case.sliding_window):
+        return False
+    read = _read_slots(case)
+    for row in build_rows(case):
+        ids = [seg.physical_block * case.block_size + t for seg in row.segments
+               for t in range(seg.tokens)]
+        start = len(ids) - case.sliding_window
+        if start > 0:
+            page_start = start - start % case.page_size
+            if any(i not in read for i in ids[page_start:start]):
+                return True
+    return False
+
+
+def _aiter_3d(case: Case) -> bool:
+    """Whether AITER sends ``case`` to its 3-D kernel (on the arch a CPU run answers)."""
+    from difftest.backends.aiter_triton import COMPUTE_UNITS
+    from difftest.backends.aiter_unified import case_arch, kernel_path
+
+    return kernel_path(case, COMPUTE_UNITS[case_arch(case)]) == "3D"
+
+
 EXP_OVERFLOW = 88.0  # float32 exp(y) is inf past y = 88.7
+
+
+def _softcap_overflows(case: Case) -> bool:
+    return case.softcap > 0 and max_abs_logit(case) > 0.9 * EXP_OVERFLOW * case.softcap
 
 
 KNOWN_BUGS = (
     HistoricalBug("softcap-nan", "0.30.0", "0.31.0",
                   "apply_softcap computes tanh(y) as (e^y - e^-y) / (e^y + e^-y): inf / inf "
                   "= NaN once |y| = |s / softcap| passes ~88; 0.31.0 computes "
-                  "1 - 2 / (e^2y + 1)", "softcap",
-                  lambda case: case.softcap > 0
-                  and max_abs_logit(case) > 0.9 * EXP_OVERFLOW * case.softcap),
+                  "1 - 2 / (e^2y + 1)", "softcap", _softcap_overflows),
     HistoricalBug("sliding-window-nan", "0.13.0", "0.14.0",
                   "logits outside the window are masked, but the loaded V tile is multiplied "
                   "by P = 0: a NaN slot before the window in the first tile poisons the row; "
@@ -165,7 +226,7 @@ KNOWN_BUGS = (
                   "kernel_paged_attention_2d loads every slot of a row's last tile and masks "
                   "only the logits: a NaN slot past seq_len (unwritten cache) makes P @ V NaN; "
                   "0.30.0 masks the K/V loads with abs_token_idx < seq_len (kv_load_mask)",
-                  "canary", lambda case: loads_unread_slots_past_the_context(case),
+                  "canary", loads_unread_slots_past_the_context,
                   backend="vllm-paged-decode"),
     HistoricalBug("paged-window-nan", "0.33.0", "",
                   "docs/findings.md F28: kernel_paged_attention_2d loads the tokens before "
@@ -173,6 +234,35 @@ KNOWN_BUGS = (
                   lambda case: loads_unread_slots_outside_the_window(
                       case, {"triton_interpret": str(devices.interpreted())}),
                   backend="vllm-paged-decode"),
+    HistoricalBug("aiter-fp16-3d-assert", "v0.1.16", "v0.1.16.post3",
+                  "docs/findings.md F23: select_3d_config asserts kv_cache_dtype in (bf16, "
+                  "fp8), so an fp16 cache on the 3-D kernel (max_seqlen_k past 512, no window) "
+                  "raises; v0.1.16.post3 keeps the assertion for gfx1250 only", "",
+                  lambda case: case.kv_dtype == "float16" and _aiter_3d(case),
+                  backend="aiter-unified", error="kv_cache_dtype only supports BF16",
+                  since="v0.1.16"),
+    HistoricalBug("aiter-page-48", "v0.1.11", "v0.1.12",
+                  "docs/findings.md F25: select_2d_config sets TILE_SIZE = block_size for "
+                  "decode batches and tl.arange needs a power of 2, so 48-token pages fail to "
+                  "compile; v0.1.12 rounds the tile up", "",
+                  lambda case: case.page_size == 48 and not case.query_lens,
+                  backend="aiter-unified", error="arange's range must be a power of 2"),
+    HistoricalBug("aiter-3d-head-80", "v0.1.11", "v0.1.12",
+                  "docs/findings.md F30: the 3-D kernel's padded-head path (head sizes 80, "
+                  "96) uses offs_d before defining it; v0.1.12 defines it", "",
+                  lambda case: case.head_dim in (80, 96) and _aiter_3d(case),
+                  backend="aiter-unified", error="name 'offs_d' is not defined"),
+    HistoricalBug("aiter-softcap-nan", "v0.1.20.post1", "",
+                  "docs/findings.md F21: AITER's apply_softcap is vLLM's before 0.31.0",
+                  "softcap", _softcap_overflows, backend="aiter-unified"),
+    HistoricalBug("aiter-window-nan", "v0.1.20.post1", "",
+                  "docs/findings.md F22: NaN V slots of the window's first tile before the "
+                  "window are multiplied by P = 0", "sliding_window",
+                  loads_unread_slots_before_the_window, backend="aiter-unified"),
+    HistoricalBug("aiter-tail-nan", "v0.1.20.post1", "",
+                  "docs/findings.md F24: NaN V slots of a row's last page past its context "
+                  "are multiplied by P = 0", "canary", loads_unread_slots_past_the_context,
+                  backend="aiter-unified"),
 )
 
 
@@ -192,17 +282,20 @@ def active_modes(case: Case) -> tuple[str, ...]:
 class Attribution:
     """Which modes explain a release's failure on a case: ``statuses`` per mode switched off
     (``agree`` there means the mode is needed), ``explanation`` (those modes), ``bugs`` (the
-    known bugs of the release shown: its mode explains and no other bug's does), and
-    ``told_apart``: for a case no single mode explains, the attribution with one known bug's
-    mode off (keyed by that mode)."""
+    known bugs of the release shown: its mode explains and no other bug's does, or it raised
+    the bug's error: ``error``), and ``told_apart``: for a case no single mode explains, the
+    attribution with one known bug's mode off (keyed by that mode)."""
 
     statuses: dict[str, str] = field(default_factory=dict)
     explanation: list[str] = field(default_factory=list)
     bugs: list[str] = field(default_factory=list)
     told_apart: dict[str, Attribution] = field(default_factory=dict)
+    error: str = ""  # the known error the release raised (then nothing is ablated)
 
     def shows(self, bug: str) -> str:
         """How this attribution shows ``bug`` (a sentence), or ``""`` where it does not."""
+        if bug in self.bugs and self.error:
+            return f"it raises {self.error!r} on a case that meets the bug's trigger"
         if bug in self.bugs:
             return f"switching off {' or '.join(self.explanation)} makes it agree"
         for mode, inner in self.told_apart.items():
@@ -220,21 +313,30 @@ class Attribution:
 
 def attribute(case: Case, version: str, status_of: Callable[[Case], str],
               depth: int = 1) -> Attribution:
-    """Ablate ``case`` on a release of vLLM ``version`` (``status_of`` runs it there and gives
-    the status): each active mode off in turn. Where no single mode explains the failure,
-    once more (``depth``) with each known bug's mode off that still fails."""
+    """Ablate ``case`` on a release ``version`` (``status_of`` runs it there and gives the
+    status): each active mode off in turn, the modes of the release's known bugs first; the
+    others only where no known bug is shown (they show none, but say what explains the
+    failure). Where no single mode explains it, once more (``depth``) with each known bug's
+    mode off that still fails."""
     out = Attribution()
-    for mode in active_modes(case):
-        try:
-            variant = case.mode_off(mode)
-        except (CaseError, ValueError):
-            out.statuses[mode] = "invalid"
-            continue
-        out.statuses[mode] = status_of(variant)
-    out.explanation = [m for m, s in out.statuses.items() if s == Status.AGREE.value]
-    present = [b for b in KNOWN_BUGS if b.present_in(version)]
-    explaining = [b for b in present if b.mode in out.explanation]
-    out.bugs = [b.name for b in explaining] if len(explaining) == 1 else []
+    present = [b for b in KNOWN_BUGS if b.present_in(version) and b.mode]
+    known = {b.mode for b in present}
+    active = active_modes(case)
+    for modes in ([m for m in active if m in known], [m for m in active if m not in known]):
+        if out.bugs:
+            break
+        for mode in modes:
+            try:
+                variant = case.mode_off(mode)
+            except (CaseError, ValueError):
+                out.statuses[mode] = "invalid"
+                continue
+            out.statuses[mode] = status_of(variant)
+        out.explanation = [m for m, s in out.statuses.items() if s == Status.AGREE.value]
+        explaining = [b for b in present if b.mode in out.explanation]
+        if len(explaining) > 1:  # two bugs of one release in the modes: the trigger decides
+            explaining = [b for b in explaining if b.needs(case)]
+        out.bugs = [b.name for b in explaining] if len(explaining) == 1 else []
     if not out.explanation and depth > 0:
         for bug in present:
             if out.statuses.get(bug.mode) in FAILED:
@@ -247,6 +349,8 @@ def describe_attribution(a: Attribution | None) -> str:
     """One line: each mode's status when switched off, and what that shows."""
     if a is None:
         return "-"
+    if a.error:
+        return f"raises {a.error!r} -> {', '.join(a.bugs)}"
     if not a.statuses:
         return "no kernel mode on (nothing to ablate)"
     parts = ", ".join(f"{m} off: {s}" for m, s in a.statuses.items())
@@ -281,6 +385,8 @@ class PairOutcome:
     fixed: str
     control: str
     cases_hash: str = ""  # of the drawn cases' ids, in order
+    sparse: int = 0  # the case set: this many sparse cases, then the dense ones
+    dense: int = 0
     versions: dict[str, str] = field(default_factory=dict)
     found: bool = False
     status: str = ""
@@ -339,9 +445,10 @@ def _prepare_worker(device: str, workers: int, started: float) -> None:
 
 
 def _backends() -> dict[str, Backend]:
-    """The backends that take ``vllm=``, built once per process (no unrelated plug-in can
-    break the run)."""
+    """The backends that take ``vllm=`` or ``aiter=``, built once per process (no unrelated
+    plug-in can break the run)."""
     if "known" not in _STATE:
+        from difftest.backends.aiter_unified import AiterUnified
         from difftest.backends.torch_ref import TorchReference
         from difftest.backends.triton_unified import TritonUnifiedAttention
         from difftest.backends.vllm_decode_attention import VllmDecodeAttention
@@ -350,7 +457,7 @@ def _backends() -> dict[str, Backend]:
 
         _STATE["known"] = {b.name: b for b in (TorchReference(), TritonUnifiedAttention(),
                                                VllmTritonSparse(), VllmPagedDecode(),
-                                               VllmDecodeAttention())}
+                                               VllmDecodeAttention(), AiterUnified())}
         _STATE["chosen"] = {}
     return _STATE["known"]
 
@@ -373,10 +480,12 @@ def _run(case: Case, backends: Sequence[Backend]) -> CaseResult:
     return run_case(case, _backend("torch-ref"), list(backends), _device(), diagnose=False)
 
 
-def _version(backend: Backend) -> str:
-    """``<backend base name>@<its vLLM version>``: the release a known bug is keyed by."""
+def release_of(backend: Backend) -> str:
+    """``<backend base name>@<its vLLM or AITER version>``: the release a known bug is keyed
+    by."""
     base = backend.name.split("[", 1)[0]
-    return f"{base}@{backend.versions().get('vllm', '?')}"
+    versions = backend.versions()
+    return f"{base}@{versions.get('vllm') or versions.get('amd-aiter') or '?'}"
 
 
 def _detail(result: Any) -> str:
@@ -392,13 +501,16 @@ class _Runner:
 
     def __init__(self, name: str, profile: Profile) -> None:
         self.backend = _backend(name)
-        self.version, self.profile = _version(self.backend), profile
+        self.version, self.profile = release_of(self.backend), profile
+        self.statuses: dict[str, str] = {}  # case id -> status (ablations meet a case twice)
 
     def status(self, case: Case) -> str:
         """The backend's status on ``case``."""
-        result = _run(case, [self.backend])
-        self.profile.add(result)
-        return result.results[0].status.value
+        if case.case_id not in self.statuses:
+            result = _run(case, [self.backend])
+            self.profile.add(result)
+            self.statuses[case.case_id] = result.results[0].status.value
+        return self.statuses[case.case_id]
 
     def attribute(self, case: Case) -> Attribution:
         """:func:`attribute` on this backend, its seconds counted as ``ablation``."""
@@ -409,8 +521,12 @@ class _Runner:
             self.profile["ablation"] += time.perf_counter() - start
 
     def failure(self, case: Case, example: int, result: Any) -> Failure:
-        """A failure of this backend, attributed."""
-        attribution = self.attribute(case)
+        """A failure of this backend, attributed: by a known bug's error where it raised
+        one, else by ablation."""
+        raised = [b for b in KNOWN_BUGS
+                  if b.raised_by(self.version, case, result.status.value, result.detail or "")]
+        attribution = (Attribution(bugs=[b.name for b in raised], error=raised[0].error)
+                       if raised else self.attribute(case))
         return Failure(case.case_id, example, result.backend, result.status.value,
                        _detail(result), attribution, attribution.shown())
 
@@ -445,17 +561,21 @@ class _Disagreement(Exception):
         self.case = case
 
 
-def hunt_unit(target_name: str | None, names: tuple[str, str, str], cases: Sequence[dict],
-              seed: int, shrink_runs: int, shrink_seconds: float) -> dict[str, Any]:
-    """The buggy release (``names[0]``) on ``cases`` in order, stopping at the first failure
-    that ``target_name`` explains (any failure, for ``None``); its shrunk case, run on all
-    three ``names``; every failure met on the way, attributed."""
+def hunt_unit(target_names: Sequence[str | None], names: Sequence[str],
+              cases: Sequence[dict], sparse: int, seed: int, shrink_runs: int,
+              shrink_seconds: float) -> dict[str, Any]:
+    """The buggy release (``names[0]``) on ``cases`` in order (the first ``sparse`` of the
+    sparse family, the rest dense), stopping once each of ``target_names`` has a first failure
+    it explains (``None``: any failure); per target its shrunk case, run on all three
+    ``names``; every other failure met on the way, attributed."""
     start, profile = time.perf_counter(), Profile()
-    target = next((b for b in KNOWN_BUGS if b.name == target_name), None)
+    targets = {name: next((b for b in KNOWN_BUGS if b.name == name), None)
+               for name in target_names}
     runner = _Runner(names[0], profile)
-    outcome: dict[str, Any] = {"versions": {n: _version(_backend(n)) for n in names},
-                               "failures": [], "ran": 0}
-    judged: dict[str, bool] = {}  # case id -> whether the buggy release fails it as target
+    outcome: dict[str, Any] = {"versions": {n: release_of(_backend(n)) for n in names},
+                               "failures": [], "ran": 0, "targets": {}}
+    found: dict[str | None, dict[str, Any]] = {}
+    judged: dict[str, bool] = {}  # case id -> whether the buggy release fails it as a target
     for number, data in enumerate(cases, 1):
         case = Case.from_dict(data)
         result = _run(case, [runner.backend])
@@ -468,31 +588,49 @@ def hunt_unit(target_name: str | None, names: tuple[str, str, str], cases: Seque
         if bug.status not in FAILING:
             continue
         failure = runner.failure(case, number, bug)
-        how = (failure.attribution.shows(target.name) if target
-               else "any failure (no known bug named)")
-        if not how:
+        print(f"hunt {names[0]}: example {example_label(number, sparse)} {bug.status.value}, "
+              f"{describe_attribution(failure.attribution)} "
+              f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        shown = [(name, failure.attribution.shows(name) if target
+                  else "any failure (no known bug named)")
+                 for name, target in targets.items() if name not in found]
+        shown = [(name, how) for name, how in shown if how]
+        if not shown:
             outcome["failures"].append(failure)
             continue
         judged[case.case_id] = True
-        outcome.update(found=True, status=bug.status.value, examples=number,
-                       seconds=time.perf_counter() - start, first_case=case.to_dict(),
-                       first_detail=failure.detail, attribution=failure.attribution, how=how)
-        break
-    if outcome.get("found"):
+        for name, how in shown:
+            found[name] = {"found": True, "status": bug.status.value, "examples": number,
+                           "ran": outcome["ran"], "seconds": time.perf_counter() - start,
+                           "first_case": case.to_dict(), "first_detail": failure.detail,
+                           "attribution": failure.attribution, "how": how,
+                           "first_failure": failure}
+        if len(found) == len(targets):
+            break
+    for name, entry in found.items():
+        dense = Case.from_dict(entry["first_case"]).dense
+        count = len(cases) - sparse if dense else sparse
         shrink_start = time.perf_counter()
-        outcome.update(_shrink(default_strategy(runner.backend, _device()), len(cases), seed,
-                               judged, runner, target, shrink_runs, shrink_seconds))
+        entry.update(_shrink(default_strategy(runner.backend, _device(), dense), count, seed,
+                             dict(judged), runner, targets[name], shrink_runs, shrink_seconds))
         profile["shrink"] += time.perf_counter() - shrink_start
-        outcome["shrink_seconds"] = time.perf_counter() - shrink_start
-        shrunk = Case.from_dict(outcome["shrunk_case"] or outcome["first_case"])
+        entry["shrink_seconds"] = time.perf_counter() - shrink_start
+        shrunk = Case.from_dict(entry["shrunk_case"] or entry["first_case"])
         final = _run(shrunk, [_backend(n) for n in names])
         profile.add(final)
-        outcome["shrunk_statuses"] = {r.backend: r.status.value for r in final.results}
-        outcome["shrunk_detail"] = _detail(final.results[0])
-        outcome["shrunk_attribution"] = runner.attribute(shrunk)
-        for name, r in zip(names[1:], final.results[1:], strict=True):
-            if r.status in FAILING:
-                outcome["failures"].append(_Runner(name, profile).failure(shrunk, 0, r))
+        entry["shrunk_statuses"] = {r.backend: r.status.value for r in final.results}
+        entry["shrunk_detail"] = _detail(final.results[0])
+        entry["shrunk_attribution"] = (
+            runner.failure(shrunk, 0, final.results[0]).attribution
+            if final.results[0].status in FAILING else None)
+        entry["failures"] = [_Runner(n, profile).failure(shrunk, 0, r)
+                             for n, r in zip(names[1:], final.results[1:], strict=True)
+                             if r.status in FAILING]
+    for name, entry in found.items():  # the other targets' first failures are failures too
+        entry["failures"] += [e["first_failure"] for n, e in found.items() if n != name]
+    for entry in found.values():
+        entry.pop("first_failure")
+    outcome["targets"] = {str(name): entry for name, entry in found.items()}
     profile["wall"] += time.perf_counter() - start
     outcome["profile"] = dict(profile)
     outcome["worker_start"] = _STATE.pop("start", None)
@@ -545,12 +683,62 @@ def _shrink(strategy: st.SearchStrategy[Case], examples: int, seed: int,
 
 
 # ----- the main process ----------------------------------------------------------------------
-def default_strategy(backend: Backend, device: torch.device) -> st.SearchStrategy[Case]:
+FETCH_AITER = Path(__file__).resolve().parent.parent / "scripts" / "fetch_aiter.sh"
+
+
+class AiterFetchError(RuntimeError):
+    """An AITER tree an ``aiter=`` option names is missing and could not be fetched."""
+
+
+def aiter_specs(names: Iterable[str]) -> list[str]:
+    """The ``aiter=`` values of backend names, in order."""
+    return re.findall(r"[\[,]aiter=([^,\]]+)", ",".join(names))
+
+
+def fetch_missing_aiter(specs: Iterable[str]) -> list[str]:
+    """Fetch every AITER tree among ``specs`` (names, not paths) that does not resolve yet,
+    with ``scripts/fetch_aiter.sh`` (a tag from ``$DIFFTEST_AITER_REPO``, default GitHub; a
+    version from PyPI); return the names fetched. :class:`AiterFetchError` says what to run
+    where it fails."""
+    from difftest.backends.aiter_triton import SourceError, resolve, source_root
+
+    fetched = []
+    for spec in dict.fromkeys(specs):
+        if "/" in spec or spec.startswith("."):
+            continue
+        try:
+            resolve(spec)
+            continue
+        except SourceError:
+            pass
+        print(f"fetching AITER {spec} (scripts/fetch_aiter.sh) into {source_root() / spec}",
+              file=sys.stderr)
+        done = subprocess.run(["bash", str(FETCH_AITER), spec], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise AiterFetchError(
+                f"aiter={spec}: bash scripts/fetch_aiter.sh {spec} failed ({said}); on a "
+                f"machine with network run it there and copy {source_root() / spec} here, or "
+                "set DIFFTEST_AITER_REPO to a local clone of ROCm/aiter")
+        fetched.append(spec)
+    return fetched
+
+
+def example_label(number: int, sparse: int) -> str:
+    """``"12"``, or ``"53 (dense 3)"`` past the ``sparse`` cases of a case set."""
+    return f"{number} (dense {number - sparse})" if number > sparse else str(number)
+
+
+def default_strategy(backend: Backend, device: torch.device,
+                     dense: bool = False) -> st.SearchStrategy[Case]:
     """The cases ``difftest run --backends <backend>`` draws: the capability-aware default
-    strategy (:class:`difftest.cases.capabilities.Capabilities`)."""
+    strategy of the sparse or the dense family
+    (:class:`difftest.cases.capabilities.Capabilities`)."""
     from difftest.cases.capabilities import Capabilities
 
-    return Capabilities.probe([backend], device).strategy()
+    capabilities = Capabilities.probe([backend], device)
+    return capabilities.dense_strategy() if dense else capabilities.strategy()
 
 
 def ids_hash(cases: Sequence[Case]) -> str:
@@ -600,18 +788,22 @@ def _failure_lines(failures: list[Failure]) -> list[str]:
 def summary(outcomes: list[PairOutcome], swept: dict[str, dict[str, int]],
             sweep_failures: list[Failure], sweep_size: int) -> str:
     """The terminal report: the table, the attributions and shrunk cases, the sweep."""
-    lines = [f"{'bug':20} {'buggy':28} {'found':5} {'example':>7} {'seconds':>7}  "
+    lines = [f"{'bug':20} {'buggy':28} {'found':5} {'example':>12} {'seconds':>7}  "
              "fixed / control on the same cases"]
     for o in outcomes:
         same = "; ".join(f"{name} {c}" for name, c in o.same_case_statuses.items())
         lines.append(f"{o.name:20} {o.buggy:28} {('yes' if o.found else 'NO'):5} "
-                     f"{o.examples if o.found else '-':>7} {o.seconds:>7.1f}  {same}")
+                     f"{example_label(o.examples, o.sparse) if o.found else '-':>12} "
+                     f"{o.seconds:>7.1f}  {same}")
     for o in outcomes:
+        control = (f"control {o.control} ({o.versions[o.control]})" if o.control
+                   else "no control (the environment's release predates the fix)")
         lines.append(f"\n{o.name}: {o.buggy} ({o.versions[o.buggy]}); fixed {o.fixed} "
-                     f"({o.versions[o.fixed]}); control {o.control} "
-                     f"({o.versions[o.control]}); cases {o.cases_hash}")
+                     f"({o.versions[o.fixed]}); {control}; cases {o.cases_hash} "
+                     f"({o.sparse} sparse, {o.dense} dense)")
         if o.found:
-            lines.append(f"  first failure it explains: example {o.examples} ({o.ran} run by "
+            lines.append(f"  first failure it explains: example "
+                         f"{example_label(o.examples, o.sparse)} ({o.ran} run by "
                          f"the buggy release), {o.seconds:.1f} s, {o.status}: {o.first_detail}")
             lines.append(f"    case {o.first_case['id'] if o.first_case else '-'}: "
                          f"{describe(o.first_case)}")
@@ -653,8 +845,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pair", action="append", nargs=2, default=[],
                         metavar=("BUGGY", "FIXED"),
                         help="a buggy and a fixed backend name (default: the known bugs)")
-    parser.add_argument("--control", help="the control backend (default: the buggy "
-                        "backend's base name, the venv's vLLM)")
+    parser.add_argument("--control", help="the control backend, '' for none (default: "
+                        "the bug's, HistoricalBug.control)")
     parser.add_argument("--bug", action="append", default=[],
                         help="hunt only this known bug (repeatable; default: all)")
     parser.add_argument("--examples", type=int, default=50,
@@ -679,60 +871,79 @@ def main(argv: list[str] | None = None) -> int:
         devices.share_cpu_threads(1)
     device = _device()
     from difftest.cases.capabilities import Capabilities
+    from difftest.cases.dense import dense_examples
     from difftest.cases.generate import generated_cases
 
     pairs: list[tuple[HistoricalBug | None, str, str, str, str]] = [
-        (None, buggy, buggy, fixed, args.control or CONTROL) for buggy, fixed in args.pair] or [
-        (b, b.name, f"{b.backend}[vllm={b.buggy}]", f"{b.backend}[vllm={b.fixed}]",
-         args.control or b.backend)
+        (None, buggy, buggy, fixed, CONTROL if args.control is None else args.control)
+        for buggy, fixed in args.pair] or [
+        (b, b.name, b.release_name(b.buggy), b.release_name(b.fixed),
+         args.control if args.control is not None else b.control)
         for b in KNOWN_BUGS if b.fixed and (not args.bug or b.name in args.bug)]
     try:  # the releases the pairs name, fetched where missing
         fetch_missing(release_specs([n for _, _, *names in pairs for n in names]))
-    except ReleaseError as exc:
+        fetch_missing_aiter(aiter_specs([n for _, _, *names in pairs for n in names]))
+    except (ReleaseError, AiterFetchError) as exc:
         print(f"history: {exc}", file=sys.stderr)
         return 2
-    outcomes, hunts, agrees, draw_seconds = [], [], [], 0.0
-    for target, name, buggy_name, fixed_name, control_name in pairs:
-        control = _backend(control_name).name
+    # bugs of one (buggy, fixed, control) triple share its cases, its hunt and its runs
+    groups: dict[tuple[str, str, str], list[tuple[HistoricalBug | None, str]]] = {}
+    for target, name, *names in pairs:
+        groups.setdefault((names[0], names[1], names[2]), []).append((target, name))
+    outcomes: list[tuple[int, PairOutcome]] = []
+    hunts, agrees, draw_seconds = [], [], 0.0
+    for group, ((buggy_name, fixed_name, control_name), members) in enumerate(groups.items()):
+        control = _backend(control_name).name if control_name else ""
         drawn_at = time.perf_counter()
-        drawn = generated_cases(args.examples, args.seed,
-                                default_strategy(_backend(buggy_name), device))
+        buggy = _backend(buggy_name)
+        sparse = generated_cases(args.examples, args.seed, default_strategy(buggy, device))
+        dense = generated_cases(dense_examples(args.examples), args.seed,
+                                default_strategy(buggy, device, dense=True))
         draw_seconds += time.perf_counter() - drawn_at
-        names = (buggy_name, fixed_name, control)
-        outcomes.append(PairOutcome(name, *names, cases_hash=ids_hash(drawn)))
-        dicts = [c.to_dict() for c in drawn]
-        hunts.append((hunt_unit, (target.name if target else None, names, dicts, args.seed,
-                                  args.shrink_runs, args.shrink_seconds)))
-        agrees.append([(agree_unit, ((fixed_name, control), part))
+        names = (buggy_name, fixed_name, control) if control else (buggy_name, fixed_name)
+        outcomes += [(group, PairOutcome(name, buggy_name, fixed_name, control,
+                                         cases_hash=ids_hash(sparse + dense),
+                                         sparse=len(sparse), dense=len(dense)))
+                     for _, name in members]
+        dicts = [c.to_dict() for c in sparse + dense]
+        hunts.append((hunt_unit, ([t.name if t else None for t, _ in members], names, dicts,
+                                  len(sparse), args.seed, args.shrink_runs,
+                                  args.shrink_seconds)))
+        agrees.append([(agree_unit, (names[1:], part))
                        for part in chunks(list(enumerate(dicts, 1)), args.chunk)])
-    releases = list(dict.fromkeys(n for o in outcomes for n in (o.buggy, o.fixed, o.control)))
+    releases = list(dict.fromkeys(n for _, o in outcomes for n in (o.buggy, o.fixed, o.control)
+                                  if n))
     swept_cases = generated_cases(args.sweep, args.seed, Capabilities.probe(
         [_backend(n) for n in releases], device).strategy()) if args.sweep else []
     sweep_units = [(agree_unit, (releases, part)) for part in
                    chunks(list(enumerate((c.to_dict() for c in swept_cases), 1)), args.chunk)]
     prepared = time.perf_counter() - start
-    # the hunts first (their shrinking is the longest unit), then the pairs' chunks in turn
+    # the hunts first (their shrinking is the longest unit), then the groups' chunks in turn
     order = [(i, None) for i in range(len(hunts))] + [
         (i, j) for j in range(max(map(len, agrees), default=0))
         for i in range(len(agrees)) if j < len(agrees[i])]
     units = [hunts[i] if j is None else agrees[i][j] for i, j in order]
     results, worker_starts = run_units(units + sweep_units, args.workers, device_type)
     by_unit = dict(zip(order, results, strict=False))
-    for i, o in enumerate(outcomes):
-        hunt = by_unit[(i, None)]
-        parts = [by_unit[(i, j)] for j in range(len(agrees[i]))]
-        for key, value in hunt.items():
-            if key not in ("profile", "worker_start", "failures"):
+    for group, o in outcomes:
+        hunt = by_unit[(group, None)]
+        parts = [by_unit[(group, j)] for j in range(len(agrees[group]))]
+        entry = hunt["targets"].get(o.name if o.name in hunt["targets"] else "None", {})
+        o.versions, o.ran = hunt["versions"], hunt["ran"]
+        for key, value in entry.items():
+            if key != "failures":
                 setattr(o, key, value)
-        o.failures = hunt["failures"] + [f for p in parts for f in p["failures"]]
+        o.failures = (hunt["failures"] + entry.get("failures", [])
+                      + [f for p in parts for f in p["failures"]])
         o.same_case_statuses = _merge_counts(parts)
         o.profile = dict(sum((Counter(r["profile"]) for r in [hunt, *parts]), Counter()))
         o.profile["hunt wall"] = hunt["profile"]["wall"]
+    outcomes_only = [o for _, o in outcomes]
     sweep_results = results[len(units):]
     swept = _merge_counts(sweep_results)
     sweep_failures = [f for r in sweep_results for f in r["failures"]]
     total = time.perf_counter() - start
-    print(summary(outcomes, swept, sweep_failures, len(swept_cases)))
+    print(summary(outcomes_only, swept, sweep_failures, len(swept_cases)))
     print(f"\ndrawing {draw_seconds:.1f} s and set-up {prepared - draw_seconds:.1f} s in the "
           f"main process; {len(units) + len(sweep_units)} units on {max(1, args.workers)} "
           f"worker(s)" + (f", worker start-up {', '.join(f'{s:.1f}' for s in worker_starts)} s"
@@ -741,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{' (Triton interpreted)' if devices.interpreted() else ''}")
     if args.json:
         write_json(args.json, {"device": device.type, "interpreted": devices.interpreted(),
-                               "strategy": "default (Capabilities.probe([buggy]).strategy())",
+                               "strategy": "default (Capabilities.probe([buggy]): strategy(), "
+                               "then dense_strategy())",
                                "seed": args.seed, "examples": args.examples,
                                "shrink_runs": args.shrink_runs,
                                "shrink_seconds": args.shrink_seconds,
@@ -749,11 +961,11 @@ def main(argv: list[str] | None = None) -> int:
                                "seconds": {"total": total, "drawing": draw_seconds,
                                            "set_up": prepared - draw_seconds,
                                            "worker_start": worker_starts},
-                               "outcomes": [asdict(o) for o in outcomes],
+                               "outcomes": [asdict(o) for o in outcomes_only],
                                "sweep": {"cases": len(swept_cases), "statuses": swept,
                                          "failures": [asdict(f) for f in sweep_failures]}})
-    missed = [o for o in outcomes if not o.found]
-    unexplained = [f for o in outcomes for f in o.unexplained]
+    missed = [o for o in outcomes_only if not o.found]
+    unexplained = [f for o in outcomes_only for f in o.unexplained]
     unexplained += [f for f in sweep_failures if not f.known_bugs]
     return 1 if missed or unexplained else 0
 

@@ -28,13 +28,16 @@ fi
 mkdir -p "$(dirname "$DEST")"
 rm -rf "$DEST.partial"
 mkdir -p "$DEST.partial"
+TEMP_REPO=
+# a failed fetch leaves neither a partial tree nor a temporary repository behind
+trap 'rm -rf "$DEST.partial" ${TEMP_REPO:+"$TEMP_REPO"}' EXIT
 if [[ $NAME == v* ]]; then
   REPO=${DIFFTEST_AITER_REPO:-https://github.com/ROCm/aiter.git}
   if [ -d "$REPO" ]; then
     GIT_DIR_OF_REPO=$REPO
   else
-    GIT_DIR_OF_REPO=$(mktemp -d)
-    trap 'rm -rf "$GIT_DIR_OF_REPO"' EXIT
+    TEMP_REPO=$(mktemp -d)
+    GIT_DIR_OF_REPO=$TEMP_REPO
     git init -q --bare "$GIT_DIR_OF_REPO"
     git -C "$GIT_DIR_OF_REPO" fetch -q --depth 1 "$REPO" "refs/tags/$NAME:refs/tags/$NAME"
   fi

@@ -15,15 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.history import KNOWN_BUGS, attribute, known_bugs
+from benchmarks.history import attribute
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs, resolve
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 from difftest.case import Case
-from difftest.cases.capabilities import Capabilities
-from difftest.cases.generate import generated_cases
-from difftest.registry import RegistryError, discover, select
+from difftest.registry import RegistryError, select
 from difftest.runner import Status, run_case
 
 CASE = Case(num_blocks=8, seq_lens=(200,), block_tables=((3, 5),), selections=((0, 1),),
@@ -143,47 +141,6 @@ def test_releases_before_kv_quant_mode_refuse_mixed_dtypes() -> None:
     reason = old.unsupported_reason(CASE.replace(query_dtype="float32"), torch.device("cpu"))
     assert reason is not None and "has no kv_quant_mode" in reason
     assert old.unsupported_reason(CASE, torch.device("cpu")) is None
-
-
-FIXED_BUGS = [b for b in KNOWN_BUGS if b.fixed]
-
-
-def _bug_release(backend: str, version: str) -> object:
-    """``backend[vllm=version]``, skipped where the release is not fetched."""
-    try:
-        (found,) = select(discover(), [f"{backend}[vllm={version}]"])
-    except (ReleaseError, RegistryError) as err:
-        pytest.skip(str(err))
-    if not found.availability().available:
-        pytest.skip(found.availability().reason)
-    return found
-
-
-@pytest.mark.parametrize("bug", FIXED_BUGS, ids=[b.name for b in FIXED_BUGS])
-def test_the_default_strategy_reaches_each_historical_bug_within_50_examples(
-        bug, device_name) -> None:
-    """The 50 cases ``difftest run --backends <backend>[vllm=<buggy>] --examples 50`` draws
-    hold a case that only this bug explains; the buggy release disagrees on the first one,
-    the fixed release agrees, and so does the venv's vLLM unless a known bug of its own
-    explains the case."""
-    device = torch.device(device_name)
-    buggy = _bug_release(bug.backend, bug.buggy)
-    fixed = _bug_release(bug.backend, bug.fixed)
-    (control,) = select(discover(), [bug.backend])
-    drawn = generated_cases(50, 0, Capabilities.probe([buggy], device).strategy())
-    release = f"{bug.backend}@{bug.buggy}"
-    runnable = [c for c in drawn if bug.name in known_bugs(release, c)
-                and buggy.unsupported_reason(c, device) is None]
-    assert runnable, f"no case of the 50 needs {bug.name}"
-    # a case of this bug alone where there is one; else one a still-present bug of the fixed
-    # release explains there too
-    first = next((c for c in runnable if known_bugs(release, c) == [bug.name]), runnable[0])
-    result = run_case(first, TorchReference(), [buggy, fixed, control], device)
-    statuses = [r.status for r in result.results]
-    assert statuses[0] is Status.DISAGREE, result.results[0].detail
-    for backend, outcome in zip((fixed, control), result.results[1:], strict=True):
-        later = f"{bug.backend}@{backend.versions()['vllm']}"
-        assert outcome.status is Status.AGREE or known_bugs(later, first), outcome.detail
 
 
 def _fake_release(failing: Callable[[Case], bool]) -> Callable[[Case], str]:

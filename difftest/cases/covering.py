@@ -31,7 +31,7 @@ SATURATING_SCALE = 1e-3  # fp8 scales this small store values at the fp8 maximum
 
 # The dense family (difftest.cases.dense, one example per five sparse ones) reads the keys
 # it has: its first five examples take every block size and head size, the first three
-# every layout, and the kernel modes of the first six.
+# every layout, the fourth a request past 512 tokens, and the kernel modes of the first six.
 SCHEDULE: tuple[Cover, ...] = (
     {"modes": ("softcap",), "softcap": "overflow", "favour_last": True, "selection": "indexer",
      "tail": BLOCK_SIZE, "topk": 16,
@@ -44,9 +44,10 @@ SCHEDULE: tuple[Cover, ...] = (
      "dense_layout": "LHBNC", "block_size": 16, "head_dim": 256, "kv_heads": 1, "gqa": 16},
     {"modes": ("q_scale",), "q_scale": SATURATING_SCALE,
      "fp8_scales": (SATURATING_SCALE, 100.0), "block_zero": True, "decode_query_len": 2,
-     "dense_layout": "LBHNC", "block_size": 128, "head_dim": 96},
+     "dense_layout": "LBHNC", "block_size": 128, "head_dim": 64},
+    # dense: a request past 512 tokens at a padded head size (AITER's 3-D kernel)
     {"modes": ("split_k_segments",), "threshold": "at", "long": True,
-     "block_size": 32, "head_dim": 64},
+     "block_size": 32, "head_dim": 96},
     {"modes": ("query_lens",), "query_len": MAX_3D_QUERY_LEN + 1, "softmax_scale": 1.0,
      "block_size": 64, "head_dim": 128},
     {"modes": ("canary",), "tail": 1, "selection": "empty-rows"},
@@ -143,6 +144,8 @@ DENSE_CLASSES: tuple[CoverClass, ...] = (
     CoverClass("dense: 8 KV heads", lambda c: c.num_kv_heads == MAX_KV_HEADS),
     CoverClass("dense: 16 query heads per KV head",
                lambda c: c.num_q_heads == 16 * c.num_kv_heads),
+    CoverClass("dense: a request past 512 tokens at head size 80 or 96",
+               lambda c: c.head_dim in (80, 96) and max(c.seq_lens) > 512),
     *(cls for cls in CLASSES[:10] if cls.name in DENSE_MODES),
 )
 

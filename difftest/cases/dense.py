@@ -10,7 +10,8 @@ AITER's 5-D caches) with one page per block, or MiniMax-M3's LBHNC cache of 16-t
 The kernel modes come from :mod:`difftest.cases.modes` (one case in two), prefill-like query
 lengths as one causal sequence per request.
 
-Sizes stay small for the interpreter (up to 3 requests of up to 384 tokens); ``huge``
+Sizes stay small for the interpreter (up to 3 requests of up to 384 tokens; a ``long``
+stratum's first request has 513-640, for the 3-D kernels); ``huge``
 (nightly) draws caches past 2**31 elements with the last block attended, so that a kernel's
 int32 offset arithmetic is reached (docs/geometry.md).
 """
@@ -37,6 +38,9 @@ BLOCK_SIZES = (16, 32, 64, 128, 48)  # the powers of two first: a shrink returns
 DENSE_LAYOUTS = ("split", "LHBNC", "LBHNC")  # vLLM's own first
 MAX_GQA = 16
 MAX_REQUEST_TOKENS = 384
+# a "long" stratum's first request: past 512 tokens, where AITER's unified_attention takes
+# its 3-D kernel (max_seqlen_k > 512) and vLLM's split-K meets longer rows
+LONG_REQUEST_TOKENS = (513, 640)
 MAX_BATCH = 3
 MAX_PREFILL_QUERY = 17  # prefill-like requests: vLLM's 3-D bound (8) and BLOCK_Q (16) passed
 DENSE_SHARE = 5  # difftest run draws one dense example per five sparse ones
@@ -125,9 +129,13 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
     requests = []
     for r in range(draw(st.integers(1, MAX_BATCH))):
         padded = r > 0 and draw(st.integers(0, 3)) == 3
-        least = 1 if r == 0 and cover.get("several_blocks") and most_blocks > 1 else 0
-        full = draw(st.integers(least, most_blocks - 1))
-        tail = draw(st.one_of(st.just(block), st.just(1), st.integers(1, block)))
+        if r == 0 and cover.get("long"):
+            full, tail = divmod(draw(st.integers(*LONG_REQUEST_TOKENS)) - 1, block)
+            tail += 1
+        else:
+            least = 1 if r == 0 and cover.get("several_blocks") and most_blocks > 1 else 0
+            full = draw(st.integers(least, most_blocks - 1))
+            tail = draw(st.one_of(st.just(block), st.just(1), st.integers(1, block)))
         wanted = draw(query_lengths()) if prefill else dql
         if prefill and r == 0:
             wanted = forced(cover, "query_len", wanted)

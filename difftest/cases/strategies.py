@@ -87,7 +87,7 @@ COVER_KEYS = {
     "large_cache": "True: a cache with page ids past 2**16 (its last block attended)",
     "favour_last": "True: the last physical block heads the first request's table",
     "tail": "the tokens in the first request's last block",
-    "long": "True: the first request longer than top-k 16 x 128 tokens",
+    "long": "True: the first request longer than top-k 16 x 128 tokens (dense: 513-640)",
     "several_blocks": "True: the first request longer than one block",
     "decode_query_len": "query tokens per decode request (1-4)",
     "topk": "the top-k",
