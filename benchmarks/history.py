@@ -1,47 +1,54 @@
-"""Historical-bug benchmark: do the default strategies find bugs vLLM shipped, and only those?
+"""Historical-bug benchmark: do the default strategies find bugs releases shipped, and only those?
 
-    python -m benchmarks.history                      # the seeded bugs (CPU, 2 workers: ~2 min)
-    python -m benchmarks.history --json out.json
+    python -m benchmarks.history                      # every fixed known bug (CPU, 2 workers)
+    python -m benchmarks.history --bug aiter-page-48 --json out.json
     python -m benchmarks.history --pair 'triton-unified[vllm=0.30.0]' 'triton-unified[vllm=0.31.0]'
 
-Each pair is a release with a known bug and the release that fixed it, as backend names
-(``triton-unified[vllm=<version>]``: :mod:`difftest.backends.vllm_release` resolves versions
-under ``$DIFFTEST_VLLM_ROOT``; the missing ones are fetched first, and offline the error says
-what to run elsewhere). Per pair the cases are exactly the ones ``difftest run --no-corpus
---backends <buggy> --examples N --seed S`` draws: the capability-aware default strategy
-(``Capabilities.probe([buggy], device).strategy()``) through
-:func:`difftest.cases.generate.generated_cases`, drawn once in the main process (the ids'
+Each pair is a release with a known bug (:data:`KNOWN_BUGS`) and the release that fixed it,
+as backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
+(:mod:`difftest.backends.vllm_release` resolves versions under ``$DIFFTEST_VLLM_ROOT``) and
+``aiter-unified[aiter=<tag>]`` for AITER's (:mod:`difftest.backends.aiter_triton`, under
+``$DIFFTEST_AITER_ROOT``). The missing ones are fetched first (PyPI for vLLM,
+``scripts/fetch_aiter.sh`` for AITER tags), and where that fails the error says what to run
+elsewhere. Per pair the cases are exactly the ones ``difftest run --no-corpus --backends
+<buggy> --examples N --seed S`` draws: N of the sparse family, then N/5 dense ones (the
+capability-aware default strategies, ``Capabilities.probe([buggy], device)``, through
+:func:`difftest.cases.generate.generated_cases`), drawn once in the main process (the ids'
 hash is reported) and handed to worker processes (``--workers``, default 2), which split the
-work into units: per pair one hunt, and the N cases on the fixed release and the venv's vLLM
-(the control) in chunks.
+work into units: one hunt per (buggy, fixed) pair, shared by the bugs of that pair, and the
+cases on the fixed release and the control (the bug's backend on the environment's release,
+where that release has the fix; none for AITER, whose wheel predates the fixes) in chunks.
 
-The hunt runs the buggy release on the cases in order and stops at the first disagreement
-that the pair's bug explains. Every disagreement it meets is **attributed by ablation**: the
-case runs again with each of its active kernel modes switched off (:meth:`Case.mode_off`:
-softcap, sliding window, canaries, fp8 queries, query lengths, split-K), and the modes whose
+The hunt runs the buggy release on the cases in order and stops once each of its bugs has a
+first failure that the bug explains. A bug that makes the kernel raise (``error``: F23, F25,
+F30 of docs/findings.md) is shown by that error on a case that meets its trigger. Every other
+failure is **attributed by ablation**: the case runs again with each of its active kernel
+modes switched off (:meth:`Case.mode_off`: softcap, sliding window, canaries, fp8 queries,
+query lengths, split-K; the modes of the release's known bugs first), and the modes whose
 removal makes the release agree are the explanation. A known bug is shown when its mode is
-in the explanation and no other known bug's mode is. A release with two known bugs can meet a
-case that triggers both (0.13.0 has the window NaN and the softcap NaN, fixed only in 0.31.0):
-no single mode explains it, so it is ablated once more with the other bug's mode off, and the
-bug is told apart when that case still disagrees and its explanation is the bug's mode. The
-verdict for a pair requires the bug to be shown so: the window pair is found only where the
-window (not the softcap) explains the disagreement.
+in the explanation and no other known bug's mode is (where two are, the bugs' triggers
+decide). A release with two known bugs can meet a case that triggers both (0.13.0 has the
+window NaN and the softcap NaN, fixed only in 0.31.0): no single mode explains it, so it is
+ablated once more with the other bug's mode off, and the bug is told apart when that case
+still disagrees and its explanation is the bug's mode. The verdict for a pair requires the
+bug to be shown so: the window pair is found only where the window (not the softcap)
+explains the disagreement.
 
-The first such failure is then shrunk by a Hypothesis search with the same seed (the same
-examples in the same order, judged from the hunt's results; an example the search draws that
-the hunt did not judge is counted as a replay miss) on the buggy release alone, within
-``--shrink-runs`` kernel runs and ``--shrink-seconds`` seconds, whichever ends first (past
-them, candidates pass unrun and the search ends with the smallest failure so far; the report
-says which bound stopped it). The shrunk case runs on all three releases and is attributed
-too. Every failure of the fixed release or the control is attributed the same way: one that
-a known bug of that release explains (0.14.0 still has the softcap NaN) is listed with the
-bug; any other is a false positive, and there must be none. Disagreements are not diagnosed
+The first such failure is then shrunk by a Hypothesis search of its family's strategy with
+the same seed (an example the search draws that the hunt did not judge is counted as a
+replay miss) on the buggy release alone, within ``--shrink-runs`` kernel runs and
+``--shrink-seconds`` seconds, whichever ends first (past them, candidates pass unrun and the
+search ends with the smallest failure so far; the report says which bound stopped it); then
+each kernel mode the failure does not need is switched off. The shrunk case runs on every
+release of the pair and is attributed too. Every failure of the fixed release or the
+control is attributed the same way: one that a known bug of that release explains (0.14.0
+still has the softcap NaN; every AITER release has F21, F22 and F24) is listed with the bug;
+any other is a false positive, and there must be none. Disagreements are not diagnosed
 (``run_case(..., diagnose=False)``): the report has no use for it, and on the CPU it took a
 third of the time (docs/history.md).
 
 Cases drawn in this process are the ones a ``difftest run`` process draws with the same seed,
-whatever either imported (docs/findings.md F11). Measured numbers and the profile are in
-docs/history.md.
+whatever either imported (docs/findings.md F11). Measured numbers are in docs/history.md.
 """
 
 from __future__ import annotations
@@ -317,12 +324,14 @@ def attribute(case: Case, version: str, status_of: Callable[[Case], str],
     status): each active mode off in turn, the modes of the release's known bugs first; the
     others only where no known bug is shown (they show none, but say what explains the
     failure). Where no single mode explains it, once more (``depth``) with each known bug's
-    mode off that still fails."""
+    mode off that still fails and whose trigger the case has (the modes of known bugs only,
+    then)."""
     out = Attribution()
     present = [b for b in KNOWN_BUGS if b.present_in(version) and b.mode]
     known = {b.mode for b in present}
     active = active_modes(case)
-    for modes in ([m for m in active if m in known], [m for m in active if m not in known]):
+    rest = [m for m in active if m not in known] if depth > 0 else []
+    for modes in ([m for m in active if m in known], rest):
         if out.bugs:
             break
         for mode in modes:
@@ -339,7 +348,7 @@ def attribute(case: Case, version: str, status_of: Callable[[Case], str],
         out.bugs = [b.name for b in explaining] if len(explaining) == 1 else []
     if not out.explanation and depth > 0:
         for bug in present:
-            if out.statuses.get(bug.mode) in FAILED:
+            if out.statuses.get(bug.mode) in FAILED and bug.needs(case):
                 out.told_apart[bug.mode] = attribute(case.mode_off(bug.mode), version,
                                                      status_of, depth - 1)
     return out
@@ -502,15 +511,28 @@ class _Runner:
     def __init__(self, name: str, profile: Profile) -> None:
         self.backend = _backend(name)
         self.version, self.profile = release_of(self.backend), profile
-        self.statuses: dict[str, str] = {}  # case id -> status (ablations meet a case twice)
+        # case id -> status and detail (ablations and the shrink meet a case twice)
+        self.outcomes: dict[str, tuple[str, str]] = {}
+
+    def outcome(self, case: Case) -> tuple[str, str]:
+        """The backend's status on ``case`` and its detail."""
+        if case.case_id not in self.outcomes:
+            result = _run(case, [self.backend])
+            self.profile.add(result)
+            r = result.results[0]
+            self.outcomes[case.case_id] = (r.status.value, r.detail or "")
+        return self.outcomes[case.case_id]
 
     def status(self, case: Case) -> str:
         """The backend's status on ``case``."""
-        if case.case_id not in self.statuses:
-            result = _run(case, [self.backend])
-            self.profile.add(result)
-            self.statuses[case.case_id] = result.results[0].status.value
-        return self.statuses[case.case_id]
+        return self.outcome(case)[0]
+
+    def fails_as(self, case: Case, target: HistoricalBug | None) -> bool:
+        """Whether the backend fails ``case``; for an error bug, with that bug's error."""
+        status, detail = self.outcome(case)
+        if target is not None and target.error:
+            return target.raised_by(self.version, case, status, detail)
+        return status in FAILED
 
     def attribute(self, case: Case) -> Attribution:
         """:func:`attribute` on this backend, its seconds counted as ``ablation``."""
@@ -613,9 +635,11 @@ def hunt_unit(target_names: Sequence[str | None], names: Sequence[str],
         shrink_start = time.perf_counter()
         entry.update(_shrink(default_strategy(runner.backend, _device(), dense), count, seed,
                              dict(judged), runner, targets[name], shrink_runs, shrink_seconds))
+        shrunk, runs = _reduce(Case.from_dict(entry["shrunk_case"] or entry["first_case"]),
+                               runner, targets[name])
+        entry["shrunk_case"], entry["shrink_runs"] = shrunk.to_dict(), entry["shrink_runs"] + runs
         profile["shrink"] += time.perf_counter() - shrink_start
         entry["shrink_seconds"] = time.perf_counter() - shrink_start
-        shrunk = Case.from_dict(entry["shrunk_case"] or entry["first_case"])
         final = _run(shrunk, [_backend(n) for n in names])
         profile.add(final)
         entry["shrunk_statuses"] = {r.backend: r.status.value for r in final.results}
@@ -635,6 +659,25 @@ def hunt_unit(target_names: Sequence[str | None], names: Sequence[str],
     outcome["profile"] = dict(profile)
     outcome["worker_start"] = _STATE.pop("start", None)
     return outcome
+
+
+def _reduce(case: Case, runner: _Runner, target: HistoricalBug | None) -> tuple[Case, int]:
+    """Switch off, one at a time, each active kernel mode (the bug's own and the family kept)
+    whose removal keeps the failure as ``target``'s: the case and the kernel runs spent."""
+    runs = 0
+    for mode in active_modes(case):
+        if mode == "dense" or (target is not None and mode == target.mode):
+            continue
+        try:
+            variant = case.mode_off(mode)
+        except (CaseError, ValueError):
+            continue
+        if target is not None and not target.explains(runner.version, variant):
+            continue
+        runs += 1
+        if runner.fails_as(variant, target):
+            case = variant
+    return case, runs
 
 
 def _shrink(strategy: st.SearchStrategy[Case], examples: int, seed: int,
@@ -660,7 +703,7 @@ def _shrink(strategy: st.SearchStrategy[Case], examples: int, seed: int,
                 "runs" if state["runs"] >= max_runs else "seconds")
             return False
         state["runs"] += 1
-        judged[case.case_id] = runner.status(case) in FAILED
+        judged[case.case_id] = runner.fails_as(case, target)
         return judged[case.case_id]
 
     @hypothesis_seed(seed)
