@@ -324,8 +324,8 @@ def attribute(case: Case, version: str, status_of: Callable[[Case], str],
     status): each active mode off in turn, the modes of the release's known bugs first; the
     others only where no known bug is shown (they show none, but say what explains the
     failure). Where no single mode explains it, once more (``depth``) with each known bug's
-    mode off that still fails and whose trigger the case has (the modes of known bugs only,
-    then)."""
+    mode off that still fails, where the case has that bug's trigger and the variant the
+    trigger of one other known bug (the modes of known bugs only, then)."""
     out = Attribution()
     present = [b for b in KNOWN_BUGS if b.present_in(version) and b.mode]
     known = {b.mode for b in present}
@@ -348,9 +348,12 @@ def attribute(case: Case, version: str, status_of: Callable[[Case], str],
         out.bugs = [b.name for b in explaining] if len(explaining) == 1 else []
     if not out.explanation and depth > 0:
         for bug in present:
-            if out.statuses.get(bug.mode) in FAILED and bug.needs(case):
-                out.told_apart[bug.mode] = attribute(case.mode_off(bug.mode), version,
-                                                     status_of, depth - 1)
+            if out.statuses.get(bug.mode) not in FAILED or not bug.needs(case):
+                continue
+            variant = case.mode_off(bug.mode)
+            # told apart only where one known bug's trigger is left (three stay tangled)
+            if len([b for b in present if b is not bug and b.needs(variant)]) == 1:
+                out.told_apart[bug.mode] = attribute(variant, version, status_of, depth - 1)
     return out
 
 
