@@ -111,6 +111,12 @@ class HistoricalBug:
     backend: str = "triton-unified"
     error: str = ""
     since: str = ""
+    with_modes: tuple[str, ...] = ()  # other modes its failures need (a window NaN: canaries)
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Every mode a failure of this bug needs: its own, then :attr:`with_modes`."""
+        return (self.mode, *self.with_modes)
 
     @property
     def option(self) -> str:
@@ -228,7 +234,8 @@ KNOWN_BUGS = (
                   "logits outside the window are masked, but the loaded V tile is multiplied "
                   "by P = 0: a NaN slot before the window in the first tile poisons the row; "
                   "0.14.0 zeroes V outside the window", "sliding_window",
-                  lambda case: case.sliding_window > 0 and case.canary),
+                  lambda case: case.sliding_window > 0 and case.canary,
+                  with_modes=("canary",)),
     HistoricalBug("paged-tail-nan", "0.14.0", "0.30.0",
                   "kernel_paged_attention_2d loads every slot of a row's last tile and masks "
                   "only the logits: a NaN slot past seq_len (unwritten cache) makes P @ V NaN; "
@@ -240,7 +247,7 @@ KNOWN_BUGS = (
                   "its sliding window and weights them by exp(-10000 - m) = 0", "sliding_window",
                   # fp8 NaN canaries are NaN interpreted too (F27: difftest.interpreter)
                   lambda case: loads_unread_slots_outside_the_window(case, {}),
-                  backend="vllm-paged-decode"),
+                  backend="vllm-paged-decode", with_modes=("canary",)),
     HistoricalBug("aiter-fp16-3d-assert", "v0.1.16", "v0.1.16.post3",
                   "docs/findings.md F23: select_3d_config asserts kv_cache_dtype in (bf16, "
                   "fp8), so an fp16 cache on the 3-D kernel (max_seqlen_k past 512, no window) "
@@ -265,7 +272,8 @@ KNOWN_BUGS = (
     HistoricalBug("aiter-window-nan", "v0.1.20.post1", "",
                   "docs/findings.md F22: NaN V slots of the window's first tile before the "
                   "window are multiplied by P = 0", "sliding_window",
-                  loads_unread_slots_before_the_window, backend="aiter-unified"),
+                  loads_unread_slots_before_the_window, backend="aiter-unified",
+                  with_modes=("canary",)),
     HistoricalBug("aiter-tail-nan", "v0.1.20.post1", "",
                   "docs/findings.md F24: NaN V slots of a row's last page past its context "
                   "are multiplied by P = 0", "canary", loads_unread_slots_past_the_context,
@@ -318,6 +326,23 @@ class Attribution:
                               if b not in self.bugs)]
 
 
+def _explaining(present: Sequence[HistoricalBug], explanation: Sequence[str],
+                case: Case) -> list[HistoricalBug]:
+    """The one known bug an ablation's ``explanation`` shows, or none: the bug whose mode is
+    in it; of several, the one whose trigger the case has, else the one needing most of the
+    explanation's modes (window and canaries off each agree: the window NaN, not a canary
+    bug alone)."""
+    explaining = [b for b in present if b.mode in explanation]
+    if len(explaining) > 1:
+        by_trigger = [b for b in explaining if b.needs(case)]
+        if len(by_trigger) == 1:
+            return by_trigger
+        covered = [b for b in explaining if set(b.modes) <= set(explanation)]
+        most = max((len(b.modes) for b in covered), default=0)
+        explaining = [b for b in covered if len(b.modes) == most]
+    return explaining if len(explaining) == 1 else []
+
+
 def attribute(case: Case, version: str, status_of: Callable[[Case], str],
               depth: int = 1) -> Attribution:
     """Ablate ``case`` on a release ``version`` (``status_of`` runs it there and gives the
@@ -342,10 +367,7 @@ def attribute(case: Case, version: str, status_of: Callable[[Case], str],
                 continue
             out.statuses[mode] = status_of(variant)
         out.explanation = [m for m, s in out.statuses.items() if s == Status.AGREE.value]
-        explaining = [b for b in present if b.mode in out.explanation]
-        if len(explaining) > 1:  # two bugs of one release in the modes: the trigger decides
-            explaining = [b for b in explaining if b.needs(case)]
-        out.bugs = [b.name for b in explaining] if len(explaining) == 1 else []
+        out.bugs = [b.name for b in _explaining(present, out.explanation, case)]
     if not out.explanation and depth > 0:
         for bug in present:
             if out.statuses.get(bug.mode) not in FAILED or not bug.needs(case):

@@ -92,6 +92,20 @@ def test_ablation_tries_the_known_bugs_modes_first() -> None:
     assert "split_k_segments" in unexplained.statuses and not unexplained.shown()
 
 
+def test_window_and_canaries_both_needed_show_the_window_bug() -> None:
+    """On an AITER release a failure that agrees with the window off and with the canaries
+    off is the window NaN (F22), which needs both, not the tail NaN (F24), which needs only
+    canaries; where the window is not needed it is the tail NaN."""
+    case = MODES.replace(softcap=0.0, split_k_segments=0, seq_threshold_3d=0)
+    both = attribute(case, "aiter-unified@0.1.16.post3",
+                     lambda c: "disagree" if c.sliding_window and c.canary else "agree")
+    assert both.explanation == ["sliding_window", "canary"]
+    assert both.bugs == ["aiter-window-nan"]
+    canary = attribute(case, "aiter-unified@0.1.16.post3",
+                       lambda c: "disagree" if c.canary else "agree")
+    assert canary.bugs == ["aiter-tail-nan"]
+
+
 def test_example_labels_and_aiter_options() -> None:
     assert example_label(12, 50) == "12" and example_label(54, 50) == "54 (dense 4)"
     assert aiter_specs(["aiter-unified[aiter=v0.1.11]", "triton-unified[vllm=0.31.0]",
