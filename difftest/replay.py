@@ -107,12 +107,16 @@ def replay(path: Path, backend_names: list[str] | None, plugins: Sequence[str], 
     Raises :class:`~difftest.casefile.CaseFileError` (before anything is run or written) when
     ``path`` is not a readable case, failure directory or pending file.
     """
+    from difftest import devices
     from difftest.report import build_report, write_report
     from difftest.session import Session
 
     case, recorded, environment = load_source(path)
     names = backend_names
     if names is None and recorded:
+        # the CPU runtime first: loading the backends imports vLLM, which decides then
+        # whether Triton has a driver (the interpreter) or is a placeholder
+        devices.prepare_runtime(devices.resolve(device))
         names = replay_backends(recorded, plugins, reference)
     session = Session.create(names, plugins, device, str(Path(artifacts) / REPLAYS), reference)
     report_previous_crashes(artifacts, "difftest repro")

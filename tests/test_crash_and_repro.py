@@ -158,6 +158,19 @@ def test_failure_under_pytest_n4_replays_bit_identically(project: Path) -> None:
     assert "request 0, query token 0 (row 0), head 0, dim 0" in replay.stdout
     assert "on pages 0..7, 16" in replay.stdout
 
+    # With no --backends, from a shell that has not set up Triton's interpreter: the
+    # installed backends load after the CPU runtime is prepared, or vLLM's Triton is a
+    # placeholder and every vLLM kernel errors.
+    env = {k: v for k, v in clean_env().items() if k != "TRITON_INTERPRET"}
+    every = subprocess.run([sys.executable, "-m", "difftest.cli", "repro", artifact, "--plugin",
+                            "fakes.py", "--device", "cpu"], cwd=project, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert every.returncode == 1, every.stdout + every.stderr
+    rows = {line.split()[0]: line.split()[1] for line in every.stdout.splitlines()
+            if line.startswith("  ") and len(line.split()) > 1}
+    assert rows["perturbed"] == "disagree" and rows["triton-unified"] == "agree", every.stdout
+    assert "error" not in rows.values(), every.stdout
+
     # JUnit carries one property per case with every backend's status.
     properties = {p.get("name"): p.get("value")
                   for p in ET.parse(project / "junit.xml").iter("property")}
