@@ -10,9 +10,10 @@ next); ``scratch/`` is emptied before each document:
   it ends in ``\\``); the lines up to the next ``$ `` are the output it shows. A line ``...``
   skips any number of lines, ``...`` inside a line matches anything, and the shown lines are
   otherwise found in order, consecutively, in what the command printed (stdout and stderr).
-  Case ids, output digests, paths, pids, addresses, timings and runs of spaces are compared
-  as placeholders; a doc writes the checkout's absolute path as ``<checkout>``. A command
-  whose exit status the doc does not show (``$?``) must exit 0.
+  Case ids, output digests, paths, pids (also in a pending file's name, ``<id>.<pid>.json``),
+  addresses, timings and runs of spaces are compared as placeholders; a doc writes the
+  checkout's absolute path as ``<checkout>``. A command whose exit status the doc does not
+  show (``$?``) must exit 0.
 * ```` ```sh ````: the whole block is one command that must exit 0; a plain ```` ``` ````
   block right after it is the output it shows.
 * ``<!-- docs-check: skip: REASON -->`` before a block skips it, printed with the reason (a
@@ -21,7 +22,8 @@ next); ``scratch/`` is emptied before each document:
   message that must appear in the output of that section's commands (``...`` as above),
   unless ``<!-- docs-check: unchecked 'START': REASON -->`` names it by its start.
 
-Prints one line per command and block; exit status 1 when anything differs.
+Prints one line per command and block, then the differences and the check's wall time; exit
+status 1 when anything differs.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ PLACEHOLDERS = [
     (re.compile(r"\b[0-9a-f]{12}\b"), "<digest>"),
     (re.compile(r"0x[0-9a-f]+"), "0x<address>"),
     (re.compile(r"\bpid \d+"), "pid <pid>"),
+    (re.compile(r"<id>\.\d+\.json\b"), "<id>.<pid>.json"),  # a pending file's name
     (re.compile(r"\b\d+(\.\d+)? ?(s|ms|min)\b"), "<time>"),
     (re.compile(r"\b\d+(\.\d+)? cases/s\b"), "<rate>"),
     (re.compile(r"\[[#.]+\]"), "[<progress>]"),
@@ -317,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save", type=Path, metavar="DIR",
                         help="write each command's whole output to DIR (for editing a doc)")
     args = parser.parse_args(argv)
+    started = time.monotonic()
     problems: list[str] = []
     for name in args.docs:
         doc = parse(ROOT / name)
@@ -330,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     for problem in problems:
         print(f"DIFFERS {problem}")
     if not args.list:
-        print(f"docs check: {len(problems)} difference(s)")
+        print(f"docs check: {len(problems)} difference(s); "
+              f"{time.monotonic() - started:.0f} s wall")
     return 1 if problems else 0
 
 

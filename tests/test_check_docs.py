@@ -101,3 +101,8 @@ def test_placeholders_and_trimming() -> None:
     assert check_docs.normalise(f"  report:   {ROOT}/scratch/r.json pid 42  ") \
         == check_docs.normalise("report: <checkout>/scratch/r.json pid 7")
     assert check_docs.normalise("in /usr/lib/x.py") == check_docs.normalise("in /opt/y")
+    # a pending file is named <case id>.<pid>.json
+    assert check_docs.normalise("file art/pending/0123456789abcdef.4242.json: x") \
+        == check_docs.normalise("file art/pending/<id>.<pid>.json: x")
+    assert check_docs.normalise("file art/pending/0123456789abcdef.4242.json") \
+        != check_docs.normalise("file art/crashes/<id>.<pid>.json")
