@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Generator, Mapping
 from pathlib import Path
@@ -74,8 +75,13 @@ _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_bas
 PROFILES: tuple[str, ...] = ("ci", "dev", "nightly")
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
 PLUGIN_NAME = "difftest-run"
+BUDGET_PROPERTY = "difftest:search-budget"
 WORKER_GPU_FIELDS = ("gpu_name", "gpu_arch", "gpu_pci_bus_id")
 _REPRODUCE_FAILURE = re.compile(r"@reproduce_failure\([^)]*\)|--hypothesis-seed=\S+|@seed\(\d+\)")
+# seconds a generated test searches in each profile before it stops (None: no budget): the dev
+# profile's search is random, and over interpreted kernels on a loaded box it can run for
+# half an hour; ci draws a fixed 25 examples and nightly is meant to go deep
+SEARCH_BUDGETS: dict[str, float | None] = {"ci": None, "dev": 240.0, "nightly": None}
 _DEFAULTS: dict[str, Any] = {"--difftest-device": "auto", "--difftest-plugin": [],
                              "--difftest-reference": DEFAULT_REFERENCE,
                              "--difftest-artifacts": DEFAULT_ROOT}
@@ -123,6 +129,31 @@ def _load_profile(config: pytest.Config, shard: Shard | None) -> str | None:
         profile = f"{profile}-sharded"
     settings.load_profile(profile)
     return name
+
+
+def search_budget(config: pytest.Config, profile: str | None) -> float | None:
+    """``--difftest-search-budget`` in seconds, else the profile's (``None``: no budget)."""
+    text = config.getoption("--difftest-search-budget")
+    if text is None:
+        return SEARCH_BUDGETS.get(profile) if profile else None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise pytest.UsageError(f"difftest: --difftest-search-budget={text!r} is not a number "
+                                "of seconds (allowed: >= 0; 0: no budget)")
+    return seconds or None
+
+
+class SearchBudgetSpent(BaseException):
+    """A generated test searched past its budget. A BaseException, so that Hypothesis stops
+    at once instead of taking it for a failing example and shrinking it."""
+
+    def __init__(self, examples: int, budget: float, failure: str | None) -> None:
+        super().__init__(f"search stopped after {examples} example(s) at its {budget:g} s "
+                         "budget (--difftest-search-budget SECONDS, 0: none)")
+        self.failure = failure  # the first new failure of the test, when one was found
 
 
 def _role(config: pytest.Config) -> str:
@@ -305,6 +336,10 @@ class DifftestRun:
         self.generation: list[tuple[str, str]] = []  # (writer, line) of every process
         self._item: pytest.Item | None = None
         self._item_results: list[CaseResult] = []
+        self.search_budget = search_budget(config, profile)
+        self._search_started: float | None = None  # the item's first generated example
+        self._item_examples = 0  # generated examples the item ran
+        self._item_failure: str | None = None  # the item's first new failure
         self._expectations: list[Expectation] | None = None
         self._artifacts_in_use: set[str] = set()  # failure directories earlier tests reported
         if role == "worker":
@@ -374,7 +409,15 @@ class DifftestRun:
     def check_example(self, case: Case) -> list[CaseResult]:
         """Run a generated example: every backend runs the drawn case or the variant fitted
         to it (:meth:`difftest.cases.capabilities.Capabilities.fit`), the runs in this shard
-        only; fail the test on the first run where a backend failed."""
+        only; fail the test on the first run where a backend failed. Past the search budget,
+        stop the test with :class:`SearchBudgetSpent` instead."""
+        now = time.monotonic()
+        if self._search_started is None:
+            self._search_started = now
+        elif self.search_budget is not None and now - self._search_started > self.search_budget:
+            raise SearchBudgetSpent(self._item_examples, self.search_budget,
+                                    self._item_failure)
+        self._item_examples += 1
         runs = self.capabilities().fit(case)
         self._outside_shard([f.case for f in runs])
         return [self._run(f.case, f.backends) for f in runs
@@ -397,7 +440,9 @@ class DifftestRun:
             self._item.user_properties.append(case_property(result))
         self._item_results.append(result)
         if result.failed and judge([session.records[-1]], self.expectations()).new:
-            pytest.fail(failure_text(result, session.plugins), pytrace=False)
+            text = failure_text(result, session.plugins)
+            self._item_failure = self._item_failure or text
+            pytest.fail(text, pytrace=False)
         return result
 
     def expectations(self) -> list[Expectation]:
@@ -411,11 +456,24 @@ class DifftestRun:
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, object, object]:
         """Know which test runs, to attach case properties and Hypothesis hints to it."""
         self._item, self._item_results = item, []
+        self._search_started, self._item_examples, self._item_failure = None, 0, None
         try:
             return (yield)
         finally:
             self._item = None
             self._artifacts_in_use.update(r.artifact for r in self._item_results if r.artifact)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        """End a search stopped at its budget: a pass with the examples it ran, or, when it
+        had found a failure (and was shrinking it), that failure."""
+        try:
+            return (yield)
+        except SearchBudgetSpent as spent:
+            item.user_properties.append((BUDGET_PROPERTY, str(spent)))
+            if spent.failure is not None:
+                pytest.fail(f"{spent.failure}\n\n{spent}", pytrace=False)
+            return None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]
@@ -512,7 +570,13 @@ class DifftestRun:
             write_report(path, self.report)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        """Agreement matrix, cases per backend, worst cases, failures and crashes."""
+        """Searches stopped at their budget; agreement matrix, cases per backend, worst cases,
+        failures and crashes."""
+        for outcome in ("passed", "failed"):
+            for report in terminalreporter.stats.get(outcome, []):
+                for name, text in getattr(report, "user_properties", ()):
+                    if name == BUDGET_PROPERTY and report.when == "call":
+                        terminalreporter.write_line(f"SEARCH STOPPED: {report.nodeid}: {text}")
         if self.report is None:
             return
         terminalreporter.write_sep("=", "difftest")

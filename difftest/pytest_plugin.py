@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 INI_NAME = "difftest"
 OPTIONS: tuple[str, ...] = (
     "--difftest-backends", "--difftest-optional", "--difftest-device", "--difftest-plugin",
-    "--difftest-reference", "--difftest-artifacts", "--difftest-report", "--difftest-shard")
+    "--difftest-reference", "--difftest-artifacts", "--difftest-report", "--difftest-shard",
+    "--difftest-search-budget")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,6 +61,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="write the JSON report of this run (schema: docs/report-schema.md)")
     group.addoption("--difftest-shard", default=None, metavar="K/N",
                     help="run only shard K of N (1-based) of the cases, split by case id")
+    group.addoption("--difftest-search-budget", default=None, metavar="SECONDS",
+                    help="seconds a generated test may search before it stops with the "
+                         "examples it ran (default: 240 in the dev profile, none in ci and "
+                         "nightly; 0: none)")
 
 
 def in_use(config: pytest.Config) -> bool:

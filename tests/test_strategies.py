@@ -53,8 +53,10 @@ SMALL = dict(query_dtypes=("float16",), kv_dtypes=("float16",), max_blocks=16, m
 EXAMPLES = 40  # examples a hunt draws before it gives up
 SHRINK_RUNS = 60  # kernel runs a shrink may spend; past them candidates pass unrun
 SEEDS, FIRST = 20, 30  # the covering table: the first 30 examples of seeds 0-19
+# derandomized: where a shrink ends depends on the draws before it (a random search sometimes
+# stopped at three requests where two suffice), so the search is the same one every run
 QUIET = settings(database=None, max_examples=300, backend=BACKEND, deadline=None,
-                 suppress_health_check=list(HealthCheck))
+                 derandomize=True, suppress_health_check=list(HealthCheck))
 
 
 def _size(case: Case) -> tuple[int, int, int, int]:
