@@ -107,6 +107,24 @@ def test_bad_options_are_registry_errors_naming_them(tmp_path: Path) -> None:
     assert not availability.available and "has no MiniMax-M3 sparse decode" in availability.reason
 
 
+def test_a_release_without_the_kernel_file_says_which_files_it_lacks(tmp_path: Path) -> None:
+    """Every vLLM-backed backend finds and loads a release's kernel file through one call,
+    and reports a missing one in the same words."""
+    release = resolve(str(fake_release(tmp_path / "tree")))
+    wanted = ("v1/attention/ops/chunked_prefill_paged_decode.py", "v1/other.py")
+    assert release.lacks("v1/attention/ops/triton_unified_attention.py") is None
+    expected = (f"vLLM 0.0.7 at {release.package} has no "
+                "v1/attention/ops/chunked_prefill_paged_decode.py or v1/other.py")
+    assert release.lacks(*wanted) == expected
+    assert release.lacks(wanted[0], what="paged decode") == (
+        f"vLLM 0.0.7 at {release.package} has no paged decode ({wanted[0]})")
+    with pytest.raises(ReleaseError) as raised:
+        release.load_first(*wanted)
+    assert str(raised.value) == expected
+    kernel = release.load_first("v1/missing.py", "v1/attention/ops/triton_unified_attention.py")
+    assert kernel.__name__.endswith("v1.attention.ops.triton_unified_attention")
+
+
 def _release(version: str) -> TritonUnifiedAttention:
     try:
         return TritonUnifiedAttention(vllm=version)

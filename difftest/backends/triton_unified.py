@@ -148,9 +148,9 @@ class TritonUnifiedAttention:
         the Triton interpreter."""
         if self.release_error:
             return Availability(False, self.release_error)
-        if self.release is not None and self.release.find(*KERNEL_FILES) is None:
-            return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
-                                f"has no {' or '.join(KERNEL_FILES)}")
+        lacks = self.release and self.release.lacks(*KERNEL_FILES)
+        if lacks:
+            return Availability(False, lacks)
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
@@ -259,10 +259,7 @@ class TritonUnifiedAttention:
             from vllm.v1.attention.ops import triton_unified_attention as module
         else:
             release = self.release or resolve(vllm_location())
-            kernel = release.find(*KERNEL_FILES)
-            if kernel is None:
-                raise RuntimeError(self.availability().reason)
-            module = release.load(kernel, self.arch and self.arch.name)
+            module = release.load_first(*KERNEL_FILES, arch=self.arch and self.arch.name)
             if self.arch is not None:  # the launch hook: the parameters the arch chose
                 record_launches(module, ("kernel_unified_attention", "reduce_segments"))
         return module.unified_attention

@@ -107,19 +107,16 @@ class VllmAiter(GluonCaller):
         venv's."""
         if self.release is None:
             return import_minimax_m3("amd.ops.sparse_pa")
-        kernel = self.release.find(KERNEL_FILE)
-        if kernel is None:
-            raise RuntimeError(self.availability().reason)
-        return self.release.load(kernel)
+        return self.release.load_first(KERNEL_FILE)
 
     def availability(self) -> Availability:
         """vLLM's Triton builder must run here and its module import (a named release must
         have the MiniMax-M3 AITER decode); real AITER besides unless emulated."""
         if self.release_error:
             return Availability(False, self.release_error)
-        if self.release is not None and self.release.find(KERNEL_FILE) is None:
-            return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
-                                f"has no MiniMax-M3 AITER decode ({KERNEL_FILE})")
+        lacks = self.release and self.release.lacks(KERNEL_FILE, what="MiniMax-M3 AITER decode")
+        if lacks:
+            return Availability(False, lacks)
         triton = triton_availability()
         if not triton.available:
             return triton

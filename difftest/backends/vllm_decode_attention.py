@@ -74,8 +74,9 @@ class VllmDecodeAttention:
         """Needs vLLM (the chosen release's kernel file), and a GPU or the interpreter."""
         if self.release_error:
             return Availability(False, self.release_error)
-        if self.release is not None and self.release.find(KERNEL_FILE) is None:
-            return Availability(False, f"vLLM {self.release.version} has no {KERNEL_FILE}")
+        lacks = self.release and self.release.lacks(KERNEL_FILE)
+        if lacks:
+            return Availability(False, lacks)
         return triton_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
@@ -131,10 +132,9 @@ class VllmDecodeAttention:
             if self.release is None:
                 self._module = import_vllm_kernel(MODULE)
             else:
-                path = self.release.find(KERNEL_FILE)
-                if path is None:
-                    raise RuntimeError(f"vLLM {self.release.version} has no {KERNEL_FILE}")
-                self._module = import_vllm_kernel(MODULE, lambda: self.release.load(path))
+                release = self.release
+                self._module = import_vllm_kernel(MODULE,
+                                                  lambda: release.load_first(KERNEL_FILE))
         return self._module
 
     def run(self, inputs: RunInputs) -> torch.Tensor:

@@ -107,8 +107,9 @@ class VllmPagedDecode:
         GPU or the Triton interpreter."""
         if self.release_error:
             return Availability(False, self.release_error)
-        if self.release is not None and self.release.find(KERNEL_FILE) is None:
-            return Availability(False, f"vLLM {self.release.version} has no {KERNEL_FILE}")
+        lacks = self.release and self.release.lacks(KERNEL_FILE)
+        if lacks:
+            return Availability(False, lacks)
         available = triton_availability()
         if not available.available:
             return available
@@ -186,10 +187,8 @@ class VllmPagedDecode:
             if self.release is None:
                 module = import_vllm_kernel(MODULE)
             else:
-                path = self.release.find(KERNEL_FILE)
-                if path is None:
-                    raise RuntimeError(f"vLLM {self.release.version} has no {KERNEL_FILE}")
-                module = import_vllm_kernel(MODULE, lambda: self.release.load(path))
+                release = self.release
+                module = import_vllm_kernel(MODULE, lambda: release.load_first(KERNEL_FILE))
             self._kernel = module.kernel_paged_attention_2d
         return self._kernel
 

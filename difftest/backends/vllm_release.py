@@ -85,6 +85,22 @@ class Release:
                 return path
         return None
 
+    def lacks(self, *candidates: str, what: str = "") -> str | None:
+        """Why this release cannot run a kernel from ``candidates`` (``what`` names the
+        kernel in the message); ``None`` when it has one of them."""
+        if self.find(*candidates) is not None:
+            return None
+        files = " or ".join(candidates)
+        return (f"vLLM {self.version} at {self.package} has no "
+                f"{f'{what} ({files})' if what else files}")
+
+    def load_first(self, *candidates: str, arch: str | None = None) -> types.ModuleType:
+        """The first of ``candidates`` this release has, loaded as :meth:`load` loads it."""
+        path = self.find(*candidates)
+        if path is None:
+            raise ReleaseError(self.lacks(*candidates))
+        return self.load(path, arch)
+
     def load(self, path: Path, arch: str | None = None) -> types.ModuleType:
         """Import the release's kernel file ``path`` under the private name (once); with
         ``arch`` a second copy whose platform imports answer for that GPU architecture

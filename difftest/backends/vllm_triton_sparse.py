@@ -114,9 +114,9 @@ class VllmTritonSparse:
         """Needs vLLM (a named release must have the decode), and a GPU or the interpreter."""
         if self.release_error:
             return Availability(False, self.release_error)
-        if self.release is not None and self.release.find(KERNEL_FILE) is None:
-            return Availability(False, f"vLLM {self.release.version} at {self.release.package} "
-                                f"has no MiniMax-M3 sparse decode ({KERNEL_FILE})")
+        lacks = self.release and self.release.lacks(KERNEL_FILE, what="MiniMax-M3 sparse decode")
+        if lacks:
+            return Availability(False, lacks)
         triton = triton_availability()
         if not triton.available or self.release is not None:
             return triton
@@ -179,10 +179,7 @@ class VllmTritonSparse:
         """The chosen release's ``sparse_attn.py`` (:mod:`~.vllm_release`), else the venv's."""
         if self.release is None:
             return import_minimax_m3("common.ops.sparse_attn")
-        kernel = self.release.find(KERNEL_FILE)
-        if kernel is None:
-            raise RuntimeError(self.availability().reason)
-        return self.release.load(kernel)
+        return self.release.load_first(KERNEL_FILE)
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``minimax_m3_sparse_attn_decode`` call over every query row."""
