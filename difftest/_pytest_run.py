@@ -58,7 +58,6 @@ from difftest.records import CaseRecord
 from difftest.registry import split_names
 from difftest.report import (
     Report,
-    backend_entry,
     blind_spot_lines,
     case_records,
     summary,
@@ -555,7 +554,7 @@ class DifftestRun:
                            if line["kind"] == "generation" for text in line["lines"]]
         shutil.rmtree(self.run_dir, ignore_errors=True)
         path = self.config.getoption("--difftest-report")
-        self.missing = self._unavailable_asked()
+        self.missing = self._unavailable_asked(lines)
         if (self.earlier_crashes or self.missing) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a crash found is a failure
         if not (path or self.earlier_crashes or self.missing
@@ -598,20 +597,17 @@ class DifftestRun:
             terminalreporter.write_line(f"FAILED: {line}")
         terminalreporter.write_line(verdict_line(self.report, path, judgement, self.missing))
 
-    def _unavailable_asked(self) -> list[str]:
+    def _unavailable_asked(self, lines: list[dict[str, Any]]) -> list[str]:
         """A line per backend of ``--difftest-backends`` (not ``--difftest-optional``) that
-        could not run: a session that tested nothing of what was asked for is not a pass."""
+        could not run in a process of this session (its logged entries): a session that
+        tested nothing of what was asked for is not a pass."""
         names = self.config.getoption("--difftest-backends")
         if not names:
             return []
-        from difftest import registry
-
-        asked = split_names(names)
+        entries = {name: entry for line in lines if line["kind"] == "session"
+                   for name, entry in line["backends"].items() if not entry["available"]}
         optional = split_names(self.config.getoption("--difftest-optional") or "")
-        chosen = registry.select(registry.discover(option(self.config, "--difftest-plugin")),
-                                 asked)
-        return unavailable_asked({b.name: backend_entry(b) for b in chosen}, asked, optional)
-
+        return unavailable_asked(entries, split_names(names), optional)
 
 def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
     """A report's backends under test (every backend but the reference)."""
