@@ -6,7 +6,9 @@ test copies vLLM 0.34.0's ``triton_unified_attention.py`` (fetched by
 ``scripts/fetch_vllm.sh 0.34.0``; skipped with that command otherwise), plants a wrong
 softmax scale inside its gfx1201 2D-decode launch branch, and runs the gate twice: without
 emulation both sides agree and the reach shows the planted hunk unreached behind the RDNA
-condition; with ``arch=gfx1201`` the candidate disagrees and the planted line ran.
+condition; with ``arch=gfx1201`` the candidate disagrees and the planted line ran. The same
+for ``chunked_prefill_paged_decode``'s RDNA launch branch and ``vllm-paged-decode``, whose
+wrapper runs only under emulation.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ def test_arch_queries_answer_for_the_emulated_architecture() -> None:
     assert on_arch(rdna4, "gfx1201") and on_arch(rdna4, "gfx12x") and on_arch(rdna4, "gfx1x")
     assert not on_arch(rdna4, "gfx1100") and not on_arch(rdna4, "mi3xx")
     assert on_arch(cdna3, "mi3xx") and on_arch(cdna3, "gfx9") and not on_arch(cdna3, "gfx950")
+    assert on_arch(rdna4, "rdna") and on_arch(rdna4, "rdna4") and not on_arch(rdna4, "rdna3")
+    assert not on_arch(cdna3, "rdna")
     with pytest.raises(ValueError, match=r"arch='gfx9999' is not emulated \(allowed: gfx1201"):
         arch_of("gfx9999")
     with pytest.raises(RegistryError, match="gfx9999"):
@@ -119,27 +123,30 @@ DECODE = Case(num_blocks=8, seq_lens=(300, 200), block_tables=((3, 5, 1), (2, 6)
               selections=((0, 2), (1, 0)), num_q_heads=2, seed=11)
 
 
-def _copy_release(destination: Path, plant: bool) -> Path:
-    """vLLM 0.34.0's attention ops with the package marker (and the bug, if ``plant``)."""
+def _copy_release(destination: Path, plant: bool, kernel: str = KERNEL, branch: str = BRANCH,
+                  line: str = PLANT) -> Path:
+    """vLLM 0.34.0's attention ops with the package marker (and ``line`` planted after
+    ``branch`` of ``kernel``, if ``plant``)."""
     shutil.copytree(RELEASE / "vllm/v1/attention/ops", destination / "vllm/v1/attention/ops")
     shutil.copy(RELEASE / "vllm/__init__.py", destination / "vllm/__init__.py")
     for info in RELEASE.glob("vllm-*.dist-info"):
         (destination / info.name).mkdir()
     if plant:
-        kernel = destination / KERNEL
-        source = kernel.read_text()
-        assert source.count(BRANCH) == 1
-        kernel.write_text(source.replace(BRANCH, BRANCH + PLANT))
+        path = destination / kernel
+        source = path.read_text()
+        assert source.count(branch) == 1
+        path.write_text(source.replace(branch, branch + line))
     return destination
 
 
-def _report(tree: Path, name: str, tmp_path: Path, monkeypatch: Any) -> dict[str, Any]:
-    """One run of ``DECODE`` on ``name`` with ``tree`` as ``$DIFFTEST_VLLM``, traced."""
+def _report(tree: Path, name: str, tmp_path: Path, monkeypatch: Any,
+            case: Case = DECODE) -> dict[str, Any]:
+    """One run of ``case`` on ``name`` with ``tree`` as ``$DIFFTEST_VLLM``, traced."""
     monkeypatch.setenv("DIFFTEST_VLLM", str(tree))
     trace = LineTrace().start()
     session = Session.create([name], [], "cpu", str(tmp_path / f"artifacts-{tree.name}"),
                              "torch-ref")
-    session.run(DECODE)
+    session.run(case)
     report = build_report(session.records, session.backend_entries(),
                           {"reach": trace.stop(kernel_bodies=True)}, session.environment)
     session.close()
@@ -236,3 +243,36 @@ def test_a_hunk_after_an_early_return_names_where_its_block_stopped() -> None:
     new = "def f(x):\n    if x:\n        return 1\n        y = 3\n    return 2\n"
     reach = file_reach("f.py", old, new, {1, 2, 3}, kernel_bodies=True)
     assert reach is not None and reach.hunks[0].reason == "its block stopped after line 3"
+
+
+PAGED = "vllm/v1/attention/ops/chunked_prefill_paged_decode.py"
+RDNA_BRANCH = "        if on_rdna() and (TRITON_BLOCK_SIZE >= 32 or tile_size >= 4096):\n"
+PAGED_PLANT = "            sm_scale = sm_scale * 1.5  # planted\n"
+# head size 256 on 16-token pages: a 4096-element tile, which takes the RDNA branch
+WIDE = Case(num_blocks=5, seq_lens=(300,), block_tables=((1, 2, 3),), selections=((0, 1, 2),),
+            num_q_heads=2, num_kv_heads=1, head_dim=256, block_size=128, page_size=16,
+            softmax_scale=256**-0.5, dense=True, seed=3)
+
+
+@pytest.mark.skipif(not (RELEASE / PAGED).is_file(),
+                    reason=f"vLLM 0.34.0 is not fetched under {RELEASE.parent} "
+                    "(bash scripts/fetch_vllm.sh 0.34.0)")
+def test_the_paged_decode_wrapper_runs_its_rdna_branch_only_under_emulation(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    trees = [_copy_release(tmp_path / name, plant, PAGED, RDNA_BRANCH, PAGED_PLANT)
+             for name, plant in (("base", False), ("cand", True))]
+    planted = (trees[1] / PAGED).read_text().splitlines().index(PAGED_PLANT.rstrip("\n")) + 1
+
+    plain = [_report(tree, "vllm-paged-decode", tmp_path, monkeypatch, WIDE) for tree in trees]
+    assert {r.verdict for r in gate(*plain).rows} == {"same"}
+    lines = "\n".join(reach_lines(*plain))
+    assert (f"      unreached line {planted} (1 statements): function "
+            "`chunked_prefill_paged_decode`") in lines, lines
+
+    name = "vllm-paged-decode[arch=gfx1201]"
+    emulated = [_report(tree, name, tmp_path, monkeypatch, WIDE) for tree in trees]
+    assert [r.verdict for r in gate(*emulated).rows] == ["new disagree"]
+    lines = reach_lines(*emulated)
+    assert "ops/chunked_prefill_paged_decode.py: 1 of 1 changed statements ran" in "\n".join(
+        lines)
+    assert "    1 x kernel_paged_attention_2d num_warps=8 num_stages=1" in lines, lines

@@ -17,6 +17,7 @@ reproduce (a warp of ``num_warps`` is a 32-lane wave on RDNA, 64 lanes on CDNA) 
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import types
@@ -45,7 +46,7 @@ ARCHES = {a.name: a for a in (
     Arch("gfx942", "CDNA3", 64, "float8_e4m3fnuz"),
     Arch("gfx950", "CDNA4", 64, "float8_e4m3fn"),
 )}
-_ON_NAME = re.compile(r"on_(gfx\w+|mi3xx)")
+_ON_NAME = re.compile(r"on_(gfx\w+|mi3xx|rdna\d?)")
 
 
 class ArchError(ValueError):
@@ -62,7 +63,10 @@ def arch_of(name: str) -> Arch:
 def on_arch(arch: Arch, query: str) -> bool:
     """``vllm.platforms.rocm.on_<query>()`` for ``arch``: ``gfx1201`` exact or as a
     prefix (``gfx12``, ``gfx12x``, ``gfx115x``: a trailing ``x`` is a wildcard),
-    ``gfx1x`` for gfx11/gfx12, ``mi3xx`` for gfx942/gfx950."""
+    ``gfx1x`` for gfx11/gfx12, ``mi3xx`` for gfx942/gfx950, ``rdna`` for the RDNA family
+    (``rdna4``, ``rdna3``: one generation)."""
+    if query.startswith("rdna"):
+        return arch.family.lower().startswith(query)
     if query == "mi3xx":
         return arch.name in ("gfx942", "gfx950")
     if query == "gfx1x":
@@ -118,10 +122,18 @@ def arch_modules(arch: Arch) -> str:
         platforms.current_platform = ArchPlatform(arch)
         rocm = types.ModuleType(f"{prefix}.platforms.rocm")
         rocm.__getattr__ = _rocm_query(arch)
+        rocm.use_rocm_custom_paged_attention = no_custom_paged_attention
         platforms.rocm = rocm
         top.platforms = platforms
         sys.modules.update({prefix: top, platforms.__name__: platforms, rocm.__name__: rocm})
     return prefix
+
+
+def no_custom_paged_attention(*_: Any, **__: Any) -> bool:
+    """``vllm.platforms.rocm.use_rocm_custom_paged_attention`` under emulation: False, so
+    ``chunked_prefill_paged_decode`` takes its Triton branch (the HIP ``paged_attention_rocm``
+    is compiled ROCm code, which no emulation runs)."""
+    return False
 
 
 def _rocm_query(arch: Arch) -> Callable[[str], Callable[[], bool]]:
@@ -129,9 +141,42 @@ def _rocm_query(arch: Arch) -> Callable[[str], Callable[[], bool]]:
         found = _ON_NAME.fullmatch(name)
         if found is None:
             raise AttributeError(f"vllm.platforms.rocm.{name} is not emulated for arch="
-                                 f"{arch.name} (emulated: on_gfx*(), on_mi3xx())")
+                                 f"{arch.name} (emulated: on_gfx*(), on_mi3xx(), on_rdna*(), "
+                                 "use_rocm_custom_paged_attention())")
         return lambda: on_arch(arch, found.group(1))
     return lookup
+
+
+class OnceLogger:
+    """The standard library's logger with vLLM's ``*_once`` methods, for a wrapper's
+    ``logger`` under emulation: vLLM's own looks up the process's rank for ``*_once``, which
+    imports its serving stack (psutil, zmq, ...). Silent unless logging is configured: the
+    wrapper's notes (such as its fallback from the HIP kernel) are what emulation expects."""
+
+    def __init__(self, name: str) -> None:
+        self._logger = logging.getLogger(name)
+        self._logger.addHandler(logging.NullHandler())
+        self._said: set[tuple[str, str]] = set()
+
+    def _once(self, level: str, message: str, *args: Any, **_: Any) -> None:
+        if (level, message) not in self._said:
+            self._said.add((level, message))
+            getattr(self._logger, level)(message, *args)
+
+    def warning_once(self, message: str, *args: Any, **kwargs: Any) -> None:
+        """Log ``message`` at WARNING, the first time only."""
+        self._once("warning", message, *args, **kwargs)
+
+    def info_once(self, message: str, *args: Any, **kwargs: Any) -> None:
+        """Log ``message`` at INFO, the first time only."""
+        self._once("info", message, *args, **kwargs)
+
+    def debug_once(self, message: str, *args: Any, **kwargs: Any) -> None:
+        """Log ``message`` at DEBUG, the first time only."""
+        self._once("debug", message, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
 
 
 class LaunchRecorder:
@@ -140,6 +185,7 @@ class LaunchRecorder:
 
     def __init__(self, kernel: Any, module: str, name: str) -> None:
         self.kernel, self.module, self.name = kernel, module, name
+        self.last: dict[str, Any] = {}  # the keyword arguments of the latest launch
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         launch = self.kernel[grid]
@@ -148,6 +194,7 @@ class LaunchRecorder:
             from difftest.reach import note_launch
 
             note_launch(self.module, self.name, kwargs)
+            self.last = kwargs
             return launch(*args, **kwargs)
         return run
 
@@ -173,5 +220,6 @@ def arch_note(arch: Arch) -> str:
         here = "this GPU's own waves"
     return (f"{arch.name} ({arch.family}) launch choices: vllm.platforms.current_platform "
             f"answers is_rocm() True and fp8 {arch.fp8}, vllm.platforms.rocm.on_gfx*() "
-            f"for {arch.name}; num_warps and num_stages are passed as chosen for "
+            f"and on_rdna*() for {arch.name}, use_rocm_custom_paged_attention() False; "
+            f"num_warps and num_stages are passed as chosen for "
             f"{arch.wave}-lane waves and run on {here}")

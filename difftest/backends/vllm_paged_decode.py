@@ -23,7 +23,10 @@ softcap and no query descale. Native on a GPU; on the CPU under ``TRITON_INTERPR
 kernel file (:mod:`difftest.backends.vllm_release`). A release without the interleaved-V mode
 (0.31.0 and earlier) reads the plain cache instead, through strided views of the same shapes
 (K ``[pages, nkv, D/x, 16, x]``, V ``[pages, nkv, D, 16]``), which its kernel addresses by
-strides alone.
+strides alone. ``arch=<gfx...>`` (:mod:`~.vllm_arch`) answers the wrapper's
+``vllm.platforms.rocm`` imports as that GPU, so the release's ``chunked_prefill_paged_decode``
+itself runs (its Triton branch, with the launch choices it makes for that architecture:
+vLLM 0.34.0's RDNA warps and stages) and the backend states the arguments it passed.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ import torch
 
 from difftest import devices
 from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.backends.vllm_arch import OnceLogger, arch_note, arch_of, record_launches
 from difftest.backends.vllm_imports import (
     import_vllm_kernel,
     triton_availability,
     triton_precision,
+    vllm_location,
     vllm_version,
 )
-from difftest.backends.vllm_release import chosen_release, release_option
+from difftest.backends.vllm_release import Release, chosen_release, resolve
 from difftest.case import Case
 from difftest.dtypes import torch_dtype
 from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
@@ -88,19 +93,29 @@ FIXED = {
     "FP8_MIN": "a default of the kernel: the platform fp8 range",
     "FP8_MAX": "a default of the kernel: the platform fp8 range",
 }
+# the wrapper's kv_cache_dtype per cache dtype: "fp8" views the cache as the platform's fp8
+KV_CACHE_DTYPES = {"float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2": "fp8_e5m2"}
 
 
 class VllmPagedDecode:
     """Adapter from a case to vLLM's Triton ``kernel_paged_attention_2d``."""
 
-    def __init__(self, vllm: str | None = None) -> None:
+    def __init__(self, vllm: str | None = None, arch: str | None = None) -> None:
         self.release, self.release_error = chosen_release(vllm)
-        self.name = f"vllm-paged-decode[vllm={vllm}]" if vllm else "vllm-paged-decode"
+        self.arch = arch_of(arch) if arch else None
+        given = [f"vllm={vllm}"] * bool(vllm) + [f"arch={arch}"] * bool(arch)
+        self.name = f"vllm-paged-decode[{','.join(given)}]" if given else "vllm-paged-decode"
         self._kernel: Callable[..., Any] | None = None
+        self._module: Any = None
 
     def with_options(self, options: Mapping[str, str]) -> VllmPagedDecode:
-        """``vllm=<version or path>``: the vLLM release whose kernel runs."""
-        return VllmPagedDecode(release_option("vllm-paged-decode", options))
+        """``vllm=<version or path>``: the vLLM release whose kernel runs; ``arch=<gfx...>``:
+        its ``chunked_prefill_paged_decode`` runs, launching as for that AMD GPU."""
+        unknown = sorted(set(options) - {"vllm", "arch"})
+        if unknown:
+            raise ValueError(f"vllm-paged-decode: unknown option {unknown[0]!r} (options: "
+                             "vllm, arch)")
+        return VllmPagedDecode(options.get("vllm"), options.get("arch"))
 
     def availability(self) -> Availability:
         """Needs vLLM (the chosen release's kernel file) with the interleaved-V mode, and a
@@ -153,6 +168,11 @@ class VllmPagedDecode:
         if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
                 devices.gpu_vendor() == "nvidia"):
             return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        if (self.arch is not None and KV_CACHE_DTYPES.get(case.kv_dtype) == "fp8"
+                and case.kv_dtype != self.arch.fp8):
+            return (f"a {case.kv_dtype} cache under arch={self.arch.name}: "
+                    "chunked_prefill_paged_decode views an fp8 cache as the platform's fp8, "
+                    f"{self.arch.fp8} on {self.arch.name}")
         return None
 
     def precision(self, case: Case, device: torch.device) -> Precision:
@@ -173,7 +193,17 @@ class VllmPagedDecode:
                               "chunked_prefill_paged_decode's Triton branch launches it"}
         if self.release is not None:
             versions.update(vllm=self.release.version, vllm_path=str(self.release.package))
+        if self.arch is not None:
+            release = self._release()
+            versions.update(vllm=release.version, vllm_path=str(release.package),
+                            arch=arch_note(self.arch),
+                            kernel="kernel_paged_attention_2d (Triton), launched by the "
+                                   "release's chunked_prefill_paged_decode")
         return versions
+
+    def _release(self) -> Release:
+        """The release an arch-emulated run loads: the named one, else the venv's tree."""
+        return self.release or resolve(vllm_location())
 
     def _version(self) -> str:
         return self.release.version if self.release else vllm_version()
@@ -184,12 +214,16 @@ class VllmPagedDecode:
     def _load(self) -> Any:
         """The chosen release's ``kernel_paged_attention_2d`` (looked up once)."""
         if self._kernel is None:
-            if self.release is None:
+            if self.release is None and self.arch is None:
                 module = import_vllm_kernel(MODULE)
             else:
-                release = self.release
-                module = import_vllm_kernel(MODULE, lambda: release.load_first(KERNEL_FILE))
-            self._kernel = module.kernel_paged_attention_2d
+                release, arch = self._release(), self.arch and self.arch.name
+                module = import_vllm_kernel(
+                    MODULE, lambda: release.load_first(KERNEL_FILE, arch=arch))
+            if self.arch is not None:  # the launch hook: the arguments the wrapper passed
+                record_launches(module, ("kernel_paged_attention_2d",))
+                module.logger = OnceLogger(module.__name__)
+            self._module, self._kernel = module, module.kernel_paged_attention_2d
         return self._kernel
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
@@ -235,7 +269,10 @@ class VllmPagedDecode:
         )
         if interleaved:
             arguments["INTERLEAVED_V_PACK_FACTOR"] = x
-        kernel[(case.total_q, nkv)](**arguments)
+        if self.arch is None:
+            kernel[(case.total_q, nkv)](**arguments)
+        else:
+            arguments = self._through_the_wrapper(inputs, arguments)
         valid = torch.arange(table.shape[1], device=table.device)[None] < (
             (ctx[:, None] + case.page_size - 1) // case.page_size)
         inputs.state(kernel_call(kernel, arguments, labels={
@@ -246,6 +283,26 @@ class VllmPagedDecode:
             "v_scale": scale_class(case.v_scale if case.is_fp8 else None),
         }, fixed=FIXED, sizes={"num_kv_heads": (nkv, "key_cache.shape[1], grid[1]")}))
         return out
+
+    def _through_the_wrapper(self, inputs: RunInputs, arguments: dict[str, Any]
+                             ) -> dict[str, Any]:
+        """Call the release's ``chunked_prefill_paged_decode`` on the tensors of
+        ``arguments`` and return the kernel arguments its Triton branch passed (the launch
+        parameters it chose are the reach record's)."""
+        case = inputs.case
+        ctx = arguments["seq_lens_ptr"]
+        extra = {"use_interleaved_v_cache": True} if self._interleaved() else {}
+        self._module.chunked_prefill_paged_decode(
+            query=arguments["query_ptr"], key=None, value=None, output=arguments["output_ptr"],
+            kv_cache_dtype=KV_CACHE_DTYPES.get(case.kv_dtype, "auto"),
+            key_cache=arguments["key_cache_ptr"], value_cache=arguments["value_cache_ptr"],
+            block_table=arguments["block_tables_ptr"],
+            query_start_loc=arguments["query_start_len_ptr"], seq_lens=ctx,
+            max_seq_len=int(ctx.max()), max_query_len=1, k_scale=arguments["k_scale"],
+            v_scale=arguments["v_scale"], sliding_window=case.sliding_window,
+            sm_scale=case.softmax_scale, **extra)
+        passed = self._kernel.last
+        return {name: value for name, value in passed.items() if name in self._kernel.arg_names}
 
 
 def loads_unread_slots_outside_the_window(case: Case, versions: Mapping[str, str]) -> bool:
