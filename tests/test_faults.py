@@ -364,6 +364,13 @@ def test_tiny(seed, check_case):
 '''
 
 
+def _default_sigint() -> None:
+    """In the child before it execs: SIGINT back to its default action. A shell starts a
+    background job with SIGINT ignored, the child inherits that, and Python then installs no
+    KeyboardInterrupt handler: pytest, like any program so started, keeps running."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_pytest_session_blames_no_kernel(tmp_path: Path, signum: int) -> None:
     """A pytest session stopped mid-case (Ctrl-C; a CI timeout's SIGINT or SIGTERM) left the
@@ -379,7 +386,7 @@ def test_an_interrupted_pytest_session_blames_no_kernel(tmp_path: Path, signum: 
          "test_tiny.py"], cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=os.environ | {"SLOW_MARKS": str(marks), "OMP_NUM_THREADS": "1",
-                          "HYPOTHESIS_PROFILE": "ci"})
+                          "HYPOTHESIS_PROFILE": "ci"}, preexec_fn=_default_sigint)
     _sleeper(marks, proc)
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=LIMIT)
