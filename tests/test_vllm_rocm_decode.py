@@ -225,3 +225,19 @@ def test_the_standard_v_mode_runs_vllms_split_layout() -> None:
     (outcome,) = run_case(SPLIT, TorchReference(), [old], CPU).results
     assert outcome.status is Status.AGREE, outcome.detail
     assert "INTERLEAVED_V_PACK_FACTOR" not in outcome.calls[0].arguments
+
+
+def test_a_vllm_that_disabled_triton_leaves_its_backends_unavailable(monkeypatch) -> None:
+    """vLLM's triton_utils turns Triton off at import when it cannot read its own version
+    (sources without a dist-info) or sees no single active driver; its @triton.jit then
+    returns plain functions, which no backend can launch or inspect."""
+    from vllm import triton_utils
+
+    from difftest.backends.vllm_imports import triton_availability
+
+    monkeypatch.setattr(triton_utils, "HAS_TRITON", False)
+    for backend in (VllmPagedDecode(), VllmDecodeAttention()):
+        available = backend.availability()
+        assert not available.available
+        assert available.reason.startswith("vLLM disabled Triton (vllm.triton_utils.HAS_TRITON")
+    assert triton_availability().reason == available.reason

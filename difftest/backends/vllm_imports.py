@@ -68,6 +68,14 @@ def triton_availability() -> Availability:
     if devices.visible_gpu_count() == 0 and not devices.interpreted():
         return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets it "
                             "for --device cpu before vLLM is imported)")
+    from vllm import triton_utils
+
+    if not triton_utils.HAS_TRITON:
+        return Availability(False, "vLLM disabled Triton (vllm.triton_utils.HAS_TRITON is "
+                            "False, so @triton.jit leaves its kernels plain functions): its "
+                            "import-time check found no installed vLLM distribution to read "
+                            "the version of, or not exactly one active Triton driver; vLLM's "
+                            "log says which")
     return Availability(True)
 
 
