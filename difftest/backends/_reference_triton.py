@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 HEADS = 16  # query heads per program (tl.dot needs at least 16 rows)
-CHUNK = 32  # the reduced dimension per tl.dot (the fastest of 16..128 on the H200)
+CHUNK = 32  # the reduced dimension per tl.dot (the fastest of 16..128 on the H200); a block's
+# tokens are reduced in chunks of min(CHUNK, B), so that a chunk never passes the block
 FLOAT32, E4M3FN, E4M3FNUZ = 0, 1, 2  # how the kernels read a stored block (Stored.fmt)
 _WORDS = {torch.float8_e4m3fn: E4M3FN, torch.float8_e4m3fnuz: E4M3FNUZ}
 
@@ -207,5 +208,5 @@ def weighted_values(probs: torch.Tensor, v: Stored, slots: torch.Tensor
     abs_out = torch.empty((rows, heads, width, dim), dtype=torch.float32, device=probs.device)
     grid = (rows, width, triton.cdiv(heads, HEADS))
     _values_kernel[grid](probs, v.values, slots, out, abs_out, heads, width, HB=HEADS, B=block,
-                         D=dim, KC=CHUNK, FMT=v.fmt)
+                         D=dim, KC=min(CHUNK, block), FMT=v.fmt)
     return out, abs_out
