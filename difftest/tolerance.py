@@ -44,8 +44,9 @@ can produce subnormals charged by count: each float32 product ``p_i v_i``, each 
 (online softmax, split-K segments) and the normalisation, ``3 n + 1`` for ``n`` attended
 tokens, in the units of the accumulator (times ``v_scale`` where a kernel applies it after);
 and each weight rounded below the normal range of a probability format with float32's
-exponent range, ``eta_p n V`` (``V``: :data:`VALUE_BOUND`). The derivation and what it does
-not charge: docs/tolerance.md.
+exponent range, ``eta_p n V`` (``V``: :data:`VALUE_BOUND`); float16 weights, whose normal
+range ends at 6.1e-5, by their random-sign sum, ``eta_p sqrt(n) V``. The derivation and what
+it does not charge: docs/tolerance.md.
 
 The tolerance of element ``e`` is ``FACTOR`` times that sum. Its relative part never depends
 on sequence length (the accumulation is fp32 and the data is zero-mean); its absolute floor
@@ -124,7 +125,12 @@ class Tolerance:
         n = context_lens.to(torch.float64)
         stages = underflow_unit("float32") * self.accumulator_scale * (3 * n + 1)
         p = self.precision.probabilities
-        weights = underflow_unit(p) * VALUE_BOUND * n if p in _FLOAT32_RANGE else 0.0
+        if p in _FLOAT32_RANGE:
+            weights = underflow_unit(p) * VALUE_BOUND * n
+        elif p == "float16":  # errors of random sign: their sum grows as sqrt(n)
+            weights = underflow_unit(p) * VALUE_BOUND * n.sqrt()
+        else:
+            weights = torch.zeros_like(n)
         return stages + weights + underflow_unit(self.precision.output)
 
     def describe(self) -> str:
