@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from difftest.session import Session
+    from difftest.run.session import Session
 
 
 def share_cores_in_workers(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from difftest import backend as backend_module
-from difftest import runner
+from difftest.contract import backend as backend_module
+from difftest.run import runner
 
 PREFIX = "stage:"
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})

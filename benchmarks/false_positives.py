@@ -12,7 +12,7 @@ backend's error/tolerance as a ``target``, which steers the search toward the ca
 to the tolerance: where a false positive would be), each part under its own ``@seed`` so a
 stretch can be rerun.
 
-The examples are what ``difftest run`` draws (:class:`difftest.cases.capabilities.
+The examples are what ``difftest run`` draws (:class:`difftest.generation.capabilities.
 Capabilities`: every dtype combination and kernel mode some chosen backend runs, each example
 fitted to every backend), with a smaller geometry by default (``--max-batch 2 --max-topk 4``)
 so that thousands fit in minutes. They are drawn in ``--parts`` parts, part ``i`` of the
@@ -21,10 +21,10 @@ seeds would draw the same examples), each drawn and run by one worker process: t
 depends on the examples, the parts, the profiles and the seed, never on the number of workers.
 Every backend is correct, so any disagreement, error or crash no known kernel bug explains is a
 false positive: it is printed with its case JSON and the exit status is 1 (the known bugs met
-are counted apart, :mod:`difftest.expectations`). The parameter audit of the stretch
-(:mod:`difftest.audit`) is printed too, and its blind spots (an argument a backend accepts that
-took a single value) also fail the run.
-``--families sparse,dense`` draws the dense family too (:mod:`difftest.cases.dense`, its own
+are counted apart, :mod:`difftest.judgement.expectations`). The parameter audit of the stretch
+(:mod:`difftest.judgement.audit`) is printed too, and its blind spots (an argument a backend accepts
+that took a single value) also fail the run.
+``--families sparse,dense`` draws the dense family too (:mod:`difftest.generation.dense`, its own
 small geometry; ``--max-batch`` and ``--max-topk`` do not apply to it); every count is
 reported per family and profile.
 """
@@ -43,8 +43,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from difftest import devices
-from difftest.registry import split_names
+from difftest.contract.registry import split_names
+from difftest.machine import devices
 
 DEFAULT_BACKENDS = ("triton-unified", "vllm-triton-sparse", "vllm-paged-decode",
                     "vllm-decode-attention", "aiter-unified", "aiter-gluon@emulated",
@@ -68,12 +68,12 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
 
     import torch
 
-    from difftest.cases.capabilities import Capabilities
-    from difftest.cases.generate import generated_cases
-    from difftest.expectations import judge
-    from difftest.expectations import load as load_expectations
-    from difftest.runner import FAILING
-    from difftest.session import Session
+    from difftest.generation.capabilities import Capabilities
+    from difftest.generation.generate import generated_cases
+    from difftest.judgement.expectations import judge
+    from difftest.judgement.expectations import load as load_expectations
+    from difftest.run.runner import FAILING
+    from difftest.run.session import Session
 
     expectations = load_expectations()
 
@@ -128,7 +128,7 @@ def _search(profile: str, examples: int, seed: int, strategy: Any, capabilities:
     from hypothesis import seed as hypothesis_seed
     from hypothesis import settings as hypothesis_settings
 
-    from difftest._pytest_run import register_profiles
+    from difftest.frontends.pytest_run import register_profiles
 
     register_profiles()
 
@@ -184,8 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     devices.prepare_runtime(device)
     import torch
 
-    from difftest.audit import audit_lines, blind_spots
-    from difftest.registry import discover, select
+    from difftest.contract.registry import discover, select
+    from difftest.judgement.audit import audit_lines, blind_spots
 
     # resolved before the hour of work, from the code the workers will import
     backends = [b for b in select(discover(), args.backends) if b.availability().available]

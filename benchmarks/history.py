@@ -13,7 +13,7 @@ as backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
 elsewhere. Per pair the cases are exactly the ones ``difftest run --no-corpus --backends
 <buggy> --examples N --seed S`` draws: N of the sparse family, then N/5 dense ones (the
 capability-aware default strategies, ``Capabilities.probe([buggy], device)``, through
-:func:`difftest.cases.generate.generated_cases`), drawn once in the main process (the ids'
+:func:`difftest.generation.generate.generated_cases`), drawn once in the main process (the ids'
 hash is reported) and handed to worker processes (``--workers``, default 2), which split the
 work into units: one hunt per (buggy, fixed) pair, shared by the bugs of that pair, and the
 cases on the fixed release and the control (the bug's backend on the environment's release,
@@ -73,14 +73,14 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from packaging.version import InvalidVersion, Version
 
-from difftest import devices
-from difftest.backend import Backend, RunInputs
 from difftest.backends.vllm_paged_decode import loads_unread_slots_outside_the_window
 from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
-from difftest.case import MODE_DEFAULTS, Case, CaseError
-from difftest.jsonfile import write_json
-from difftest.runner import FAILING, CaseResult, Status, run_case
-from difftest.sparse_table import build_rows
+from difftest.case.selection import build_rows
+from difftest.case.spec import MODE_DEFAULTS, Case, CaseError
+from difftest.contract.backend import Backend, RunInputs
+from difftest.machine import devices
+from difftest.primitives.jsonfile import write_json
+from difftest.run.runner import FAILING, CaseResult, Status, run_case
 
 CONTROL = "triton-unified"  # the venv's vLLM (0.33.0)
 # the modes an ablation switches off, one at a time (split-K off also clears its threshold)
@@ -245,7 +245,7 @@ KNOWN_BUGS = (
     HistoricalBug("paged-window-nan", "0.33.0", "",
                   "docs/findings.md F28: kernel_paged_attention_2d loads the tokens before "
                   "its sliding window and weights them by exp(-10000 - m) = 0", "sliding_window",
-                  # fp8 NaN canaries are NaN interpreted too (F27: difftest.interpreter)
+                  # fp8 NaN canaries are NaN interpreted too (F27: difftest.machine.interpreter)
                   lambda case: loads_unread_slots_outside_the_window(case, {}),
                   backend="vllm-paged-decode", with_modes=("canary",)),
     HistoricalBug("aiter-fp16-3d-assert", "v0.1.16", "v0.1.16.post3",
@@ -497,7 +497,7 @@ def _backends() -> dict[str, Backend]:
 
 
 def _backend(name: str) -> Backend:
-    from difftest.registry import select
+    from difftest.contract.registry import select
 
     chosen = _STATE.setdefault("chosen", {})
     if name not in chosen:
@@ -802,8 +802,8 @@ def default_strategy(backend: Backend, device: torch.device,
                      dense: bool = False) -> st.SearchStrategy[Case]:
     """The cases ``difftest run --backends <backend>`` draws: the capability-aware default
     strategy of the sparse or the dense family
-    (:class:`difftest.cases.capabilities.Capabilities`)."""
-    from difftest.cases.capabilities import Capabilities
+    (:class:`difftest.generation.capabilities.Capabilities`)."""
+    from difftest.generation.capabilities import Capabilities
 
     capabilities = Capabilities.probe([backend], device)
     return capabilities.dense_strategy() if dense else capabilities.strategy()
@@ -938,9 +938,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers <= 1:
         devices.share_cpu_threads(1)
     device = _device()
-    from difftest.cases.capabilities import Capabilities
-    from difftest.cases.dense import dense_examples
-    from difftest.cases.generate import generated_cases
+    from difftest.generation.capabilities import Capabilities
+    from difftest.generation.dense import dense_examples
+    from difftest.generation.generate import generated_cases
 
     pairs: list[tuple[HistoricalBug | None, str, str, str, str]] = [
         (None, buggy, buggy, fixed, CONTROL if args.control is None else args.control)

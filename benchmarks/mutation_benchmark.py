@@ -8,13 +8,14 @@
 For every mutant of :mod:`mutants.catalog`:
 
 * **ours**: a Hypothesis run of what ``difftest run`` gives the mutant's backend
-  (:func:`difftest.cases.capabilities.cases_for_backend`: each drawn example or its nearest
+  (:func:`difftest.generation.capabilities.cases_for_backend`: each drawn example or its nearest
   variant the backend runs; fixed seed, no database) that raises on the first kill;
   Hypothesis then shrinks the killing case within a budget of kernel runs, and the shrunk
   case's size is reported;
-* **baselines**: the peers' grids of :mod:`difftest.cases.baseline`, in their order, up to a cap.
+* **baselines**: the peers' grids of :mod:`difftest.generation.baseline`, in their order, up to a
+cap.
 
-A kill is the engine's verdict (:func:`difftest.runner.run_case` against ``torch-ref``):
+A kill is the engine's verdict (:func:`difftest.run.runner.run_case` against ``torch-ref``):
 DISAGREE, ERROR or CRASH. A case on which the mutation provably changes nothing the kernel
 reads (``Mutation.reachable``) cannot kill it; it counts as an example survived, without a
 kernel run, for both generators alike. Examples count the cases a mutant faced (cases its
@@ -23,9 +24,9 @@ time of the Hypothesis run up to the kill; baselines, the time of the cases the 
 (generation, reference, its cache builds and its own run).
 
 Diagnosis: for our first kill of each mutant, the first line of the engine's diagnosis
-(:mod:`difftest.diagnosis`, on the comparison of a disagreement) and whether the hypothesis it
-names is the one the mutation declares (``Mutation.diagnosis``); an error has no output to
-diagnose and counts as not diagnosed.
+(:mod:`difftest.judgement.diagnosis`, on the comparison of a disagreement) and whether the
+hypothesis it names is the one the mutation declares (``Mutation.diagnosis``); an error has no
+output to diagnose and counts as not diagnosed.
 
 Then the correct backends run on a long derandomized stretch of generated cases, and every
 disagreement there is a false positive.
@@ -54,13 +55,13 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from difftest import devices
-from difftest.case import Case
-from difftest.cases.baseline import AITER_BATCH_SIZES, BASELINES
-from difftest.diagnosis import hypothesis_of
-from difftest.dtypes import KV_DTYPES, QUERY_DTYPES
-from difftest.jsonfile import write_json
-from difftest.runner import FAILING, Status, run_case
+from difftest.case.spec import Case
+from difftest.generation.baseline import AITER_BATCH_SIZES, BASELINES
+from difftest.judgement.diagnosis import hypothesis_of
+from difftest.machine import devices
+from difftest.primitives.dtypes import KV_DTYPES, QUERY_DTYPES
+from difftest.primitives.jsonfile import write_json
+from difftest.run.runner import FAILING, Status, run_case
 
 CATALOG = "mutants.catalog"
 FALSE_POSITIVE_BACKENDS = ("triton-unified", "aiter-gluon@emulated")
@@ -136,7 +137,7 @@ def _prepare_worker(device: str) -> None:
 
 
 def _catalog() -> dict[str, Any]:
-    from difftest.registry import load_plugin
+    from difftest.contract.registry import load_plugin
 
     return {m.name: m for m in load_plugin(CATALOG)}
 
@@ -277,7 +278,7 @@ def walk(mutants: Sequence[Any], grid: Iterable[Case], generator: str, device: t
 
 
 def _hunt_task(name: str, device: str, limits: Limits) -> Outcome:
-    from difftest.cases.capabilities import cases_for_backend
+    from difftest.generation.capabilities import cases_for_backend
 
     mutant = _catalog()[name]
     dev = torch.device(device)
@@ -328,7 +329,7 @@ class StretchResult:
 
 
 def _stretch_task(chunk: Sequence[Case], names: Sequence[str], device: str) -> StretchResult:
-    from difftest.registry import discover, select
+    from difftest.contract.registry import discover, select
 
     dev = torch.device(device)
     backends = [b for b in select(discover(), names) if b.availability().available]
@@ -354,9 +355,9 @@ def _stretch_task(chunk: Sequence[Case], names: Sequence[str], device: str) -> S
 
 def stretch_cases(device: torch.device, limits: Limits) -> list[Case]:
     """The derandomized false-positive stretch: small geometry, every supported dtype."""
-    from difftest.cases.generate import generated_cases
-    from difftest.cases.strategies import cases
-    from difftest.registry import discover, select
+    from difftest.contract.registry import discover, select
+    from difftest.generation.generate import generated_cases
+    from difftest.generation.strategies import cases
 
     queries: set[str] = set()
     kvs: set[str] = set()
@@ -405,8 +406,8 @@ def run_benchmark(device: str, limits: Limits, workers: int) -> dict[str, Any]:
 def blind_spot_list(runs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[str]:
     """``backend: argument`` for every kernel argument that took a single value over the
     stretch's ``runs`` though the backend's statements do not say it is fixed
-    (:mod:`difftest.audit`)."""
-    from difftest.audit import blind_spots
+    (:mod:`difftest.judgement.audit`)."""
+    from difftest.judgement.audit import blind_spots
 
     return [f"{c.backend}: {c.argument}" for c in blind_spots(runs, names)]
 
@@ -533,8 +534,8 @@ def _diagnosis_task(name: str, device: str, examples: int, kills: int,
                     seed: int) -> list[Diagnosed]:
     """Up to ``kills`` disagreements of mutant ``name`` over the first ``examples`` cases
     ``difftest run`` would give its backend, each with its diagnosis's first hypothesis."""
-    from difftest.cases.capabilities import cases_for_backend
-    from difftest.cases.generate import generated_cases
+    from difftest.generation.capabilities import cases_for_backend
+    from difftest.generation.generate import generated_cases
 
     mutant = _catalog()[name]
     dev = torch.device(device)
@@ -591,7 +592,7 @@ def format_diagnosis_share(found: Sequence[Diagnosed]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the table; exit 1 if a harmful mutant survives ours, the
     harmless one is flagged, the stretch has a false positive, or a kernel argument not
-    documented as fixed took a single value on the stretch (:mod:`difftest.audit`)."""
+    documented as fixed took a single value on the stretch (:mod:`difftest.judgement.audit`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (about a minute)")
     parser.add_argument("--device", default="auto", choices=devices.DEVICE_CHOICES)

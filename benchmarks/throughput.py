@@ -65,9 +65,9 @@ from typing import Any
 import torch
 
 from benchmarks import device_busy
-from difftest.case import Case
-from difftest.runner import RunHooks, prepare_host
-from difftest.session import Session
+from difftest.case.spec import Case
+from difftest.run.runner import RunHooks, prepare_host
+from difftest.run.session import Session
 
 FRAMEWORK_STAGES = ("generate", "cache:plain", "cache:shuffled", "compare")
 FRAMEWORK = "framework"

@@ -21,18 +21,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from difftest import pinning
-from difftest.artifacts import DEFAULT_ROOT, repro_command
-from difftest.devices import DEVICE_CHOICES
-from difftest.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
-from difftest.interrupts import Interrupted, catching_signals
-from difftest.jsonfile import append_json_line
-from difftest.registry import RegistryError, split_names
+from difftest.contract.registry import RegistryError, split_names
+from difftest.machine import pinning
+from difftest.machine.devices import DEVICE_CHOICES
+from difftest.primitives.interrupts import Interrupted, catching_signals
+from difftest.primitives.jsonfile import append_json_line
+from difftest.reporting.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
+from difftest.results.artifacts import DEFAULT_ROOT, repro_command
 
 if TYPE_CHECKING:
-    from difftest.expectations import Expectation, Judgement
-    from difftest.records import CaseRecord
-    from difftest.runner import CaseResult
+    from difftest.judgement.expectations import Expectation, Judgement
+    from difftest.results.records import CaseRecord
+    from difftest.run.runner import CaseResult
 
 EXIT_UNREADABLE = 2
 EXIT_CODES = """exit status: 0 everything agreed (or the command succeeded); 1 a backend disagreed,
@@ -105,9 +105,9 @@ def _directory(text: str) -> str:
 
 
 def _report_file(text: str) -> str:
-    """argparse type: a report whose every case can be read (:mod:`difftest.cases.recorded`)."""
-    from difftest.cases.recorded import recorded_runs
-    from difftest.report import ReportError
+    """argparse type: a report whose every case can be read (:mod:`difftest.run.recorded`)."""
+    from difftest.reporting.report import ReportError
+    from difftest.run.recorded import recorded_runs
 
     try:
         recorded_runs(text, ())
@@ -128,9 +128,9 @@ def _jobs(text: str) -> int:
 
 def _job_count(jobs: int, device: str) -> int:
     """``--jobs`` for the ``--device`` choice: ``auto`` is one job per visible GPU (each
-    pinned to its own, :func:`difftest.jobs.job_environments`) unless ``--device cpu``,
-    else one per core (:func:`difftest.jobs.auto_jobs`)."""
-    from difftest.jobs import auto_jobs, visible_gpus
+    pinned to its own, :func:`difftest.run.jobs.job_environments`) unless ``--device cpu``,
+    else one per core (:func:`difftest.run.jobs.auto_jobs`)."""
+    from difftest.run.jobs import auto_jobs, visible_gpus
 
     if jobs:
         return jobs
@@ -138,7 +138,8 @@ def _job_count(jobs: int, device: str) -> int:
 
 
 def _backend_names(text: str) -> list[str]:
-    """argparse type: ``a,b[k=v,k2=v2],c`` as names (see :func:`difftest.registry.split_names`)."""
+    """argparse type: ``a,b[k=v,k2=v2],c`` as names (see
+    :func:`difftest.contract.registry.split_names`)."""
     try:
         names = split_names(text)
     except RegistryError as exc:
@@ -158,7 +159,7 @@ class UsageError(ValueError):
 
 def _device(choice: str) -> str:
     """``--device`` as given, refused when it is ``cuda`` and no GPU is visible."""
-    from difftest import devices, gpus
+    from difftest.machine import devices, gpus
 
     if choice == "cuda" and devices.visible_gpu_count() == 0:
         where = ", ".join(f"{k}={v!r}" for k, v in gpus.runner_mask().items())
@@ -220,10 +221,10 @@ FULL_FAILURES = 3  # failing cases whose message is printed in full as they happ
 
 def _new_failures(result: CaseResult, record: CaseRecord,
                   expectations: Sequence[Expectation]) -> list[str]:
-    """The failure messages of ``result`` that no known bug (:mod:`difftest.expectations`)
+    """The failure messages of ``result`` that no known bug (:mod:`difftest.judgement.expectations`)
     explains, one per failing backend: known bugs are named in the closing summary."""
-    from difftest.expectations import judge
-    from difftest.records import FAILING
+    from difftest.judgement.expectations import judge
+    from difftest.results.records import FAILING
 
     new = {r.backend for _, r in judge([record], list(expectations)).new}
     failing = [r for r in record.results if r.status in FAILING]
@@ -250,8 +251,9 @@ def _print_failure(messages: list[str], artifact: str | None, plugins: tuple[str
 
 def cmd_backends(args: argparse.Namespace) -> int:
     """List backends with availability, reasons and versions."""
-    from difftest import devices, registry
-    from difftest.report import backend_entry
+    from difftest.contract import registry
+    from difftest.machine import devices
+    from difftest.reporting.report import backend_entry
 
     devices.prepare_runtime(devices.resolve(_device(args.device)))
     for name, backend in sorted(registry.discover(args.plugin).items()):
@@ -264,20 +266,20 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the corpus plus generated cases; exit 1 on any disagreement, error or crash."""
-    from difftest import devices
     from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
-    from difftest.cases.capabilities import Capabilities
-    from difftest.cases.corpus import load_corpus
-    from difftest.cases.dense import dense_examples
-    from difftest.cases.generate import generated_cases
-    from difftest.cases.recorded import recorded_runs
-    from difftest.expectations import load as load_expectations
-    from difftest.plan import RunPlan, execute, session_report
-    from difftest.reach import LineTrace
-    from difftest.replay import report_previous_crashes
-    from difftest.report import unavailable_asked, write_report
-    from difftest.session import Session
-    from difftest.shard import Shard, ShardError
+    from difftest.generation.capabilities import Capabilities
+    from difftest.generation.corpus import load_corpus
+    from difftest.generation.dense import dense_examples
+    from difftest.generation.generate import generated_cases
+    from difftest.judgement.expectations import load as load_expectations
+    from difftest.machine import devices
+    from difftest.reporting.report import unavailable_asked, write_report
+    from difftest.results.reach import LineTrace
+    from difftest.run.plan import RunPlan, execute, session_report
+    from difftest.run.recorded import recorded_runs
+    from difftest.run.replay import report_previous_crashes
+    from difftest.run.session import Session
+    from difftest.run.shard import Shard, ShardError
 
     try:
         shard = Shard.parse(args.shard, "--shard") if args.shard else None
@@ -296,7 +298,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.jobs > 1:
             return _run_jobs(args)
     else:
-        from difftest.jobs import end_with_parent
+        from difftest.run.jobs import end_with_parent
 
         end_with_parent()
     trace = LineTrace().start() if args.reach else None
@@ -362,7 +364,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _check_writable(args: argparse.Namespace) -> None:
     """Refuse a report or artifacts location that cannot be written, before the first case
     (``OSError`` naming the path: exit 2)."""
-    from difftest.jsonfile import check_writable
+    from difftest.primitives.jsonfile import check_writable
 
     if args.report:
         check_writable(args.report)
@@ -372,21 +374,21 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
                    missing: Sequence[str] = ()) -> Judgement:
     """What a run prints at its end: the case set, generation's notes, the audit's blind
     spots (all of it with ``--audit``), why backends were unavailable, the summary, the known
-    bugs met (:mod:`difftest.expectations`), the asked-for backends that could not run
+    bugs met (:mod:`difftest.judgement.expectations`), the asked-for backends that could not run
     (``missing``), and the verdict line last; returns the run's failures sorted by the
     expectations."""
-    from difftest.audit import audit_lines
-    from difftest.coverage import coverage_table
-    from difftest.expectations import judge
-    from difftest.expectations import load as load_expectations
-    from difftest.plan import case_set_line
-    from difftest.report import (
+    from difftest.judgement.audit import audit_lines
+    from difftest.judgement.expectations import judge
+    from difftest.judgement.expectations import load as load_expectations
+    from difftest.reporting.report import (
         blind_spot_lines,
         case_records,
         summary,
         unavailable_lines,
         verdict_line,
     )
+    from difftest.results.features import coverage_table
+    from difftest.run.plan import case_set_line
 
     config = report["config"]
     unavailable = {b for b, e in report["backends"].items() if not e["available"]}
@@ -430,11 +432,11 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
 
 
 def _run_jobs(args: argparse.Namespace) -> int:
-    """``difftest run --jobs N``: N processes, one report (:mod:`difftest.jobs`)."""
-    from difftest.fingerprint import fingerprint
-    from difftest.jobs import job_environments, run_jobs
-    from difftest.replay import report_previous_crashes
-    from difftest.report import Report, unavailable_asked, write_report
+    """``difftest run --jobs N``: N processes, one report (:mod:`difftest.run.jobs`)."""
+    from difftest.machine.fingerprint import fingerprint
+    from difftest.reporting.report import Report, unavailable_asked, write_report
+    from difftest.run.jobs import job_environments, run_jobs
+    from difftest.run.replay import report_previous_crashes
 
     gpu_envs = job_environments(args.jobs, args.device)
     earlier = report_previous_crashes(args.artifacts, "difftest run")
@@ -489,9 +491,9 @@ def _run_jobs(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Print a report's parameter audit and feature coverage."""
-    from difftest.audit import audit_lines
-    from difftest.coverage import coverage_table
-    from difftest.report import ReportError, case_records, read_report
+    from difftest.judgement.audit import audit_lines
+    from difftest.reporting.report import ReportError, case_records, read_report
+    from difftest.results.features import coverage_table
 
     try:
         report = read_report(args.report)
@@ -508,7 +510,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def cmd_repro(args: argparse.Namespace) -> int:
     """Replay one case on the local backends and show what differs from the recording."""
-    from difftest.replay import replay
+    from difftest.run.replay import replay
 
     return replay(Path(args.path), args.backends, args.plugin, _device(args.device),
                   args.reference, args.artifacts, args.report)
@@ -516,9 +518,9 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     """Pin a case (case JSON or artifact directory) into the regression corpus."""
-    from difftest.artifacts import read_failure_case
-    from difftest.casefile import read_case
-    from difftest.cases.corpus import CORPUS_DIR, promote
+    from difftest.case.casefile import read_case
+    from difftest.generation.corpus import CORPUS_DIR, promote
+    from difftest.results.artifacts import read_failure_case
 
     path = Path(args.path)
     case = read_failure_case(path) if path.is_dir() else read_case(path)
@@ -533,8 +535,8 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_merge(args: argparse.Namespace) -> int:
     """Join shard reports into one; refuse conflicting ones."""
-    from difftest.report import ReportError, read_report, summary, write_report
-    from difftest.shard import ShardError, merge_reports
+    from difftest.reporting.report import ReportError, read_report, summary, write_report
+    from difftest.run.shard import ShardError, merge_reports
 
     try:
         reports = [(str(p), read_report(p)) for p in args.reports]
@@ -552,8 +554,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     """Compare a candidate report with a baseline; exit 1 on any regression."""
-    from difftest.gate import environment_changes, format_result, gate, reach_lines
-    from difftest.report import ReportError, read_report
+    from difftest.reporting.gate import environment_changes, format_result, gate, reach_lines
+    from difftest.reporting.report import ReportError, read_report
 
     try:
         baseline, candidate = read_report(args.baseline), read_report(args.candidate)
@@ -574,8 +576,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     """Draw a report as a PNG."""
-    from difftest.plot import PlotUnavailable, plot_report
-    from difftest.report import ReportError, read_report
+    from difftest.reporting.plot import PlotUnavailable, plot_report
+    from difftest.reporting.report import ReportError, read_report
 
     try:
         report = read_report(args.report)
@@ -646,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="artifact directory or case JSON")
     p.add_argument("name", help="corpus name (letters, digits, '-', '_', '.')")
     p.add_argument("--corpus", type=_directory,
-                   help="corpus directory (default: difftest/cases/corpus)")
+                   help="corpus directory (default: difftest/generation/corpus)")
     p.set_defaults(func=cmd_promote)
 
     p = command("merge", "join shard reports into one report")
@@ -687,12 +689,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     crashed (or the gate failed), 2 the command could not run (bad arguments, unknown
     backend, unreadable file); the message then names what was wrong.
     """
-    from difftest.case import CaseError
-    from difftest.casefile import CaseFileError
-    from difftest.gpus import VisibilityError
-    from difftest.jsonfile import JSONFileError
-    from difftest.records import RecordError
-    from difftest.registry import RegistryError
+    from difftest.case.casefile import CaseFileError
+    from difftest.case.spec import CaseError
+    from difftest.contract.registry import RegistryError
+    from difftest.machine.gpus import VisibilityError
+    from difftest.primitives.jsonfile import JSONFileError
+    from difftest.results.records import RecordError
 
     args = build_parser().parse_args(argv)
     try:

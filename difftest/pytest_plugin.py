@@ -3,8 +3,8 @@
 Loaded through the ``pytest11`` entry point into every pytest run of the environment,
 including foreign projects' (vLLM's or AITER's suites on a shared runner image). At import it
 needs only the standard library and pytest; it changes no Hypothesis setting and imports no
-torch. difftest becomes active in a run (:mod:`difftest._pytest_run`: GPU pinning, Hypothesis
-profiles, the run log, crash recovery, the report) when
+torch. difftest becomes active in a run (:mod:`difftest.frontends.pytest_run`: GPU pinning,
+Hypothesis profiles, the run log, crash recovery, the report) when
 
 * any ``--difftest-*`` option is given, or
 * the project's pytest configuration sets ``difftest = true`` (this repository does, in
@@ -24,10 +24,10 @@ import pytest
 if TYPE_CHECKING:
     from hypothesis.strategies import SearchStrategy
 
-    from difftest._pytest_run import DifftestRun
-    from difftest.case import Case
-    from difftest.runner import CaseResult
-    from difftest.session import Session
+    from difftest.case.spec import Case
+    from difftest.frontends.pytest_run import DifftestRun
+    from difftest.run.runner import CaseResult
+    from difftest.run.session import Session
 
 INI_NAME = "difftest"
 OPTIONS: tuple[str, ...] = (
@@ -76,21 +76,21 @@ def in_use(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     """Activate difftest (pinning a worker's GPU first) when this run enabled it."""
     if in_use(config):
-        from difftest import _pytest_run
+        from difftest.frontends import pytest_run
 
-        _pytest_run.activate(config)
+        pytest_run.activate(config)
 
 
 def _active(config: pytest.Config) -> DifftestRun:
     """The active difftest of this process, started now if a fixture is its first use."""
-    from difftest import _pytest_run
+    from difftest.frontends import pytest_run
 
-    return _pytest_run.current(config) or _pytest_run.activate_late(config)
+    return pytest_run.current(config) or pytest_run.activate_late(config)
 
 
 @pytest.fixture(scope="session")
 def difftest_session(pytestconfig: pytest.Config) -> Session:
-    """The configured :class:`~difftest.session.Session` of this process."""
+    """The configured :class:`~difftest.run.session.Session` of this process."""
     return _active(pytestconfig).session()
 
 

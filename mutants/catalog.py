@@ -10,7 +10,7 @@ with ``python -m difftest.cli run --plugin mutants.catalog --backends <mutant>``
 stores a lower-precision output says so, and its tolerance follows), so it must never be
 reported.
 
-Each harmful mutation declares the :mod:`difftest.diagnosis` hypothesis that names its bug
+Each harmful mutation declares the :mod:`difftest.judgement.diagnosis` hypothesis that names its bug
 (``diagnosis``); the K-trim mismatch has none: AITER's assertion leaves no output to diagnose.
 """
 
@@ -21,12 +21,12 @@ from collections.abc import Callable
 
 import torch
 
-from difftest.backend import Backend, Precision
 from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case import Case
-from difftest.layouts import CacheViews
-from difftest.sparse_table import SparseRow, build_rows
+from difftest.case.selection import SparseRow, build_rows
+from difftest.case.spec import Case
+from difftest.contract.backend import Backend, Precision
+from difftest.inputs.kv_cache import CacheViews
 from mutants.injection import MutantBackend, Mutation, Table
 
 PAGE_ID_MASK_16_BITS = 0xFFFF

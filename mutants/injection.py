@@ -9,8 +9,8 @@ A bug that lives in an adapter's configuration rather than in its inputs (AITER'
 switched off) is a :class:`MutantBackend` whose ``inner`` is the misconfigured backend and
 whose ``origin`` is the correct one it is named after.
 
-``Mutation.diagnosis`` names the :mod:`difftest.diagnosis` hypothesis that describes the bug
-(what the mutated kernel reads instead), ``""`` where the bug leaves no wrong output to
+``Mutation.diagnosis`` names the :mod:`difftest.judgement.diagnosis` hypothesis that describes the
+bug (what the mutated kernel reads instead), ``""`` where the bug leaves no wrong output to
 diagnose (an error); the mutation benchmark checks that a kill is diagnosed so.
 
 ``Mutation.applies_to(case)`` is ``False`` only where the bug provably changes nothing the
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from difftest.backend import Availability, Backend, EmptyRowOutput, Precision, RunInputs
-from difftest.case import Case
-from difftest.layouts import CacheViews
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, Backend, EmptyRowOutput, Precision, RunInputs
+from difftest.inputs.kv_cache import CacheViews
 
 Table = tuple[torch.Tensor, torch.Tensor]
 

@@ -210,7 +210,8 @@ else:
 # A reused vLLM may lack modules its kernels import (an image's vLLM without its serving
 # dependencies): ask the backends, once per vLLM install and project state.
 KERNEL_PROBE = """
-from difftest import devices, registry
+from difftest.contract import registry
+from difftest.machine import devices
 devices.prepare_runtime(devices.resolve("auto"))
 lacking = [f"{name} ({b.availability().reason})" for name, b in registry.discover().items()
            if not b.availability().available and "which this environment lacks" in

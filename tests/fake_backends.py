@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from difftest.backend import Availability, Precision, RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, Precision, RunInputs
 
 
 class Rounded(TorchReference):

@@ -8,8 +8,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 
-from difftest import cli, registry
-from difftest.backend import EmptyRowOutput, RunInputs
+from difftest import cli
 from difftest.backends.aiter_gluon import (
     EMULATED_OPTIONS,
     AiterGluon,
@@ -20,10 +19,12 @@ from difftest.backends.aiter_gluon import (
 from difftest.backends.pa_decode_gluon_emulator import DEFAULT_REVISION, make_emulator
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_imports import kernel_availability
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
-from difftest.runner import BackendResult, CaseResult, Status, run_case
+from difftest.case.spec import Case
+from difftest.contract import registry
+from difftest.contract.backend import EmptyRowOutput, RunInputs
+from difftest.generation.corpus import load_corpus
+from difftest.generation.strategies import cases
+from difftest.run.runner import BackendResult, CaseResult, Status, run_case
 
 REPORTED = {c.name: c for c in load_corpus()}["lbhnc-128-blocks-2048-2040-page-2039"]
 REPORT_ASSERTION = (

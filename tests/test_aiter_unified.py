@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 
-from difftest import devices
 from difftest.backends.aiter_triton import (
     DeviceAnswers,
     SourceError,
@@ -27,9 +26,10 @@ from difftest.backends.aiter_triton import (
 )
 from difftest.backends.aiter_unified import AiterUnified, kernel_path
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.runner import Status, run_case
+from difftest.case.spec import Case
+from difftest.generation.corpus import load_corpus
+from difftest.machine import devices
+from difftest.run.runner import Status, run_case
 
 WHEEL, WHEEL_MISSING = chosen_source(None)
 needs_aiter = pytest.mark.skipif(WHEEL is None, reason=WHEEL_MISSING or "no AITER")

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import audit as audit_module
-from difftest.audit import audit, audit_json, audit_lines, blind_spots
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.kernel_call import KernelCall, StatedArgument, kernel_call
-from difftest.registry import discover, select
-from difftest.runner import run_case
+from difftest.case.spec import Case
+from difftest.contract.kernel_call import KernelCall, StatedArgument, kernel_call
+from difftest.contract.registry import discover, select
+from difftest.judgement import audit as audit_module
+from difftest.judgement.audit import audit, audit_json, audit_lines, blind_spots
+from difftest.run.runner import run_case
 
 CPU = torch.device("cpu")
 DEFAULT_CPU_BACKENDS = ("triton-unified", "vllm-triton-sparse", "aiter-gluon@emulated",

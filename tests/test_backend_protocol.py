@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from difftest.backend import (
+from difftest.backends.aiter_gluon import AiterGluon
+from difftest.backends.torch_ref import TorchReference
+from difftest.contract.backend import (
     Backend,
     ConfigurableBackend,
     ReferenceBackend,
     serves_as_reference,
     takes_options,
 )
-from difftest.backends.aiter_gluon import AiterGluon
-from difftest.backends.torch_ref import TorchReference
-from difftest.registry import RegistryError, guard, load_plugin
-from difftest.session import Session
+from difftest.contract.registry import RegistryError, guard, load_plugin
+from difftest.run.session import Session
 
 PLAIN_PLUGIN = '''
 from difftest.backends.torch_ref import TorchReference

@@ -31,8 +31,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from difftest import cli, gpus, registry
-from difftest.case import Case
+from difftest import cli
+from difftest.case.spec import Case
+from difftest.contract import registry
+from difftest.machine import gpus
 
 TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
 CASE_FIELDS = {f.name: f for f in dataclasses.fields(Case)}
@@ -313,7 +315,7 @@ def test_devices_and_fifos_are_refused_without_reading(workspace: Path, report_t
 
 def test_an_oversized_file_is_refused(workspace: Path, monkeypatch: pytest.MonkeyPatch
                                       ) -> None:
-    from difftest import jsonfile
+    from difftest.primitives import jsonfile
 
     good = workspace / "good.json"
     big = workspace / "big.json"
@@ -326,8 +328,8 @@ def test_an_oversized_file_is_refused(workspace: Path, monkeypatch: pytest.Monke
 def test_a_failure_directory_of_two_cases_is_refused(workspace: Path) -> None:
     """case.json of one case beside results.json of another was replayed and promoted."""
     directory = workspace / "art" / "failures" / TINY.case_id
-    from difftest.coverage import case_features
-    from difftest.records import CaseRecord
+    from difftest.results.features import case_features
+    from difftest.results.records import CaseRecord
 
     other = TINY.replace(seed=99)
     (directory / "results.json").write_text(json.dumps(CaseRecord(
@@ -452,7 +454,7 @@ def test_bad_plugins_name_the_plugin(workspace: Path, plugin: str, texts: list[s
 
 @pytest.fixture
 def two_fake_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Driver files of two NVIDIA and two AMD GPUs, as :mod:`difftest.gpus` reads them."""
+    """Driver files of two NVIDIA and two AMD GPUs, as :mod:`difftest.machine.gpus` reads them."""
     nvidia, kfd = tmp_path / "nvidia-gpus", tmp_path / "kfd-nodes"
     for i in range(2):
         (nvidia / f"0000:0{i}:00.0").mkdir(parents=True)

@@ -46,14 +46,14 @@ import pytest
 import torch
 from hypothesis import settings
 
-from difftest.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.generate import generated_cases
-from difftest.compare import compare
-from difftest.dtypes import torch_dtype, unit_roundoff
-from difftest.tolerance import Tolerance
+from difftest.case.spec import Case
+from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
+from difftest.contract.compare import compare
+from difftest.contract.tolerance import Tolerance
+from difftest.generation.corpus import load_corpus
+from difftest.generation.generate import generated_cases
+from difftest.primitives.dtypes import torch_dtype, unit_roundoff
 
 RECORD = Path(__file__).with_name("test_bit_identical.json")
 GENERATED = 200

@@ -1,12 +1,12 @@
-"""vLLM's MiniMax-M3 sparse block-table builder against the framework's (difftest.sparse_table).
+"""vLLM's MiniMax-M3 sparse block-table builder against the framework's (difftest.case.selection).
 
 ``minimax_m3_build_sparse_block_table_decode`` (vLLM's Triton kernel, interpreted on CPUs)
-and :func:`difftest.sparse_table.page_table` of :func:`~difftest.sparse_table.aiter_table_rows`
+and :func:`difftest.case.selection.page_table` of :func:`~difftest.case.selection.aiter_table_rows`
 (the declared rows, except those F14 cuts short) must give the same context length per row and
 the same page ids for every block a row attends (full blocks in top-k order, then the tail),
 with the row zero-filled from ``n_valid * 8`` on, at either block page stride (16 packed
 LBHNC, 8 dense LHBNC); and the rows whose context differs from the declared one must be
-exactly those :func:`~difftest.sparse_table.aiter_table_differs` names (the rows
+exactly those :func:`~difftest.case.selection.aiter_table_differs` names (the rows
 ``vllm-aiter`` refuses). vLLM's table starts as ``torch.empty``; here it starts as a sentinel,
 which shows exactly what vLLM leaves undefined: for a tail selected by ``k > 1`` lanes the
 ``k - 1`` slots after the tail are never written (harmless, they lie past the context).
@@ -20,11 +20,11 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 
-from difftest.backend import RunInputs
 from difftest.backends.vllm_imports import import_minimax_m3, kernel_availability
-from difftest.case import Case
-from difftest.cases.strategies import cases
-from difftest.sparse_table import aiter_table_differs, aiter_table_rows, build_rows, page_table
+from difftest.case.selection import aiter_table_differs, aiter_table_rows, build_rows, page_table
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+from difftest.generation.strategies import cases
 
 SENTINEL = -7
 

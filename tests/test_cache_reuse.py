@@ -1,4 +1,4 @@
-"""The pooled cache (difftest.layouts.CachePool) gives every case the bytes of a fresh
+"""The pooled cache (difftest.inputs.kv_cache.CachePool) gives every case the bytes of a fresh
 build_cache, in every sequence of cases; its Triton writer gives the torch path's bytes.
 
 Bytes are compared as uint8 views, so NaN payloads count. The Triton kernel runs under the
@@ -14,22 +14,22 @@ import random
 import pytest
 import torch
 
-from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.dtypes import KV_DTYPES
-from difftest.inputs import generate
-from difftest.layouts import (
+from difftest.case.selection import build_rows
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+from difftest.generation.corpus import load_corpus
+from difftest.inputs.case_data import generate
+from difftest.inputs.kv_cache import (
     IN_PAGE_ORDERS,
     CachePool,
     PooledCacheModified,
     build_cache,
     write_attended,
 )
-from difftest.records import Status
-from difftest.runner import run_case
-from difftest.sparse_table import build_rows
+from difftest.primitives.dtypes import KV_DTYPES
+from difftest.results.records import Status
+from difftest.run.runner import run_case
 from tests.fake_backends import Perturbed, Rounded
 
 CPU = torch.device("cpu")

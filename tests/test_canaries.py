@@ -1,13 +1,13 @@
 """Every canary kind catches a kernel that reads it, on the CPU (interpreted) and on a GPU.
 
-The canaries (difftest/layouts.py): NaN on every page no row attends, finite poison past a
+The canaries (difftest/inputs/kv_cache.py): NaN on every page no row attends, finite poison past a
 request's written tokens and on page 0 of block 0 (vLLM's null block), and with ``canary``
 NaN on every slot of an attended block that no row reads. Each test runs vLLM's real
 ``unified_attention`` with one reading bug planted (a table entry, a context length, or the
 kernel's own sliding-window mask of V removed, which is vLLM 0.13.0's NaN) and checks that
 the canary is what shows it: NaN in the output for NaN canaries, the poison's magnitude for
 poison. The fp8 variants need the interpreter to decode fp8 NaN bytes as NaN
-(difftest/interpreter.py, ``decode_fp8_specials``): without it they agree on the CPU.
+(difftest/machine/interpreter.py, ``decode_fp8_specials``): without it they agree on the CPU.
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest import devices
-from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case import Case
-from difftest.cases.dense import dense_rows
-from difftest.records import Status
-from difftest.runner import run_case
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+from difftest.generation.dense import dense_rows
+from difftest.machine import devices
+from difftest.results.records import Status
+from difftest.run.runner import run_case
 
 # the line of vLLM 0.33.0's kernel that zeroes V outside the sliding window (0.13.0 lacked it)
 V_WINDOW_MASK = "            V = tl.where(sw_mask_v, V, 0.0)\n"

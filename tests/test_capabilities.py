@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from difftest import cli
-from difftest.backend import Availability
-from difftest.case import Case
-from difftest.cases.capabilities import Capabilities, Fitted, variants
-from difftest.cases.generate import generated_cases
-from difftest.registry import discover, select
-from difftest.sparse_table import selection_is_canonical
+from difftest.case.selection import selection_is_canonical
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability
+from difftest.contract.registry import discover, select
+from difftest.generation.capabilities import Capabilities, Fitted, variants
+from difftest.generation.generate import generated_cases
 
 CPU = torch.device("cpu")
 STRUCTURE = ("num_blocks", "seq_lens", "block_tables", "selections", "decode_query_len",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from difftest.case import Case, CaseError
-from difftest.cases.corpus import load_corpus
+from difftest.case.spec import Case, CaseError
+from difftest.generation.corpus import load_corpus
 
 
 def small(**changes) -> Case:

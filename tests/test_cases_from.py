@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
-from difftest.case import Case
-from difftest.cases.recorded import recorded_runs
-from difftest.coverage import case_features
-from difftest.records import CaseRecord, ResultRecord, Status
-from difftest.report import ReportError, build_report, read_report, write_report
+from difftest.case.spec import Case
+from difftest.reporting.report import ReportError, build_report, read_report, write_report
+from difftest.results.features import case_features
+from difftest.results.records import CaseRecord, ResultRecord, Status
+from difftest.run.recorded import recorded_runs
 
 TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
 BACKEND = "aiter-gluon@emulated"  # pure torch: fast on the CPU

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
-from difftest.artifacts import ArtifactStore
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.vllm_aiter import VllmAiter
-from difftest.case import Case
-from difftest.cases.corpus import CORPUS_DIR, load_corpus
-from difftest.coverage import case_features
-from difftest.records import CaseRecord, ResultRecord, Status
+from difftest.case.spec import Case
+from difftest.generation.corpus import CORPUS_DIR, load_corpus
+from difftest.results.artifacts import ArtifactStore
+from difftest.results.features import case_features
+from difftest.results.records import CaseRecord, ResultRecord, Status
 
 TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
 
@@ -29,8 +29,8 @@ def _record(case: Case, results: list[ResultRecord]) -> CaseRecord:
 
 def _die_in(root: Path, case: Case, backends: list[str]) -> int:
     """A process that begins ``case`` in the store at ``root`` and dies; returns its pid."""
-    script = ("import os, sys; from difftest.artifacts import ArtifactStore; "
-              "from difftest.case import Case; "
+    script = ("import os, sys; from difftest.results.artifacts import ArtifactStore; "
+              "from difftest.case.spec import Case; "
               "store = ArtifactStore(sys.argv[1]); case = Case.from_json(sys.argv[2]); "
               "store.begin(case, sys.argv[3].split(',')); store.running(case, 'torch-ref'); "
               "print(os.getpid(), flush=True); os._exit(3)")

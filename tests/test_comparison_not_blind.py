@@ -12,11 +12,11 @@ import torch
 
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.compare import Comparison
-from difftest.runner import Status, run_case
-from difftest.sparse_table import build_rows, row_page_ids
+from difftest.case.selection import build_rows, row_page_ids
+from difftest.case.spec import Case
+from difftest.contract.compare import Comparison
+from difftest.generation.corpus import load_corpus
+from difftest.run.runner import Status, run_case
 from mutants.injection import MutantBackend, Mutation, Table
 
 CASE = {c.name: c for c in load_corpus()}["lbhnc-128-blocks-2048-2040-page-2039"]

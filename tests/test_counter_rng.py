@@ -7,10 +7,11 @@ import hashlib
 import pytest
 import torch
 
-from difftest import counter_rng, devices
-from difftest.case import Case
-from difftest.inputs import generate, quantize
-from difftest.sparse_table import build_rows
+from difftest.case.selection import build_rows
+from difftest.case.spec import Case
+from difftest.inputs.case_data import generate, quantize
+from difftest.machine import devices
+from difftest.primitives import counter_rng
 
 
 def test_values_are_pinned_bit_for_bit() -> None:
@@ -57,13 +58,13 @@ def test_cpu_hashing_equals_the_int64_formulation() -> None:
 
 
 def test_the_gpu_kernel_gives_the_cpu_bits_in_the_interpreter() -> None:
-    """The fused GPU draw (difftest/_counter_rng_triton.py, uint32 lanes), run by Triton's
-    interpreter: the CPU's bits for keys below and from 2**31 and for flat indices past 2**32
-    (the high word), plain, and divided and saturated as ``quantize`` does before its cast
+    """The fused GPU draw (difftest/primitives/_counter_rng_triton.py, uint32 lanes), run by
+    Triton's interpreter: the CPU's bits for keys below and from 2**31 and for flat indices past
+    2**32 (the high word), plain, and divided and saturated as ``quantize`` does before its cast
     (the fp8 cast itself is the GPU's: tests/test_device_determinism.py)."""
     if not devices.interpreted():
         pytest.skip("Triton kernels run on the CPU only under TRITON_INTERPRET=1")
-    from difftest import _counter_rng_triton as kernels
+    from difftest.primitives import _counter_rng_triton as kernels
 
     rows = torch.tensor([0, 3, 2**33 // 1500 + 7])  # the last row's indices pass 2**32
     for seed in (0, 5, 2**40 + 5):

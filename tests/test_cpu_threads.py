@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from difftest.devices import share_cpu_threads
+from difftest.machine.devices import share_cpu_threads
 
 
 @pytest.fixture

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from difftest import devices
-from difftest.case import Case
+from difftest.case.spec import Case
+from difftest.machine import devices
 
 BACKENDS_FILE = (Path(__file__).parent / "fake_backends.py").read_text()
 
 TESTS = '''
 import pytest
-from difftest.case import Case
+from difftest.case.spec import Case
 
 def tiny(seed):
     return Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from benchmarks.device_busy import UNATTRIBUTED, attribute, host_calls, profiled_trace
 from benchmarks.throughput import small_case
-from difftest.session import Session
+from difftest.run.session import Session
 
 
 def _x(cat: str, name: str, ts: float, dur: float, correlation: int | None = None,

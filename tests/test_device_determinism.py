@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftest import counter_rng
-from difftest.backend import RunInputs
-from difftest.cases.corpus import load_corpus
-from difftest.dtypes import KV_DTYPES, torch_dtype
-from difftest.inputs import _draw_stored, quantize
+from difftest.contract.backend import RunInputs
+from difftest.generation.corpus import load_corpus
+from difftest.inputs.case_data import _draw_stored, quantize
+from difftest.primitives import counter_rng
+from difftest.primitives.dtypes import KV_DTYPES, torch_dtype
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")
 

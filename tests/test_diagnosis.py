@@ -14,17 +14,17 @@ import json
 import pytest
 import torch
 
-from difftest import diagnosis
-from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case import Case
-from difftest.compare import compare
-from difftest.coverage import case_features
-from difftest.diagnosis import HYPOTHESIS_NAMES, NOTHING, diagnose, hypothesis_of
-from difftest.records import CaseRecord
-from difftest.runner import Status, run_case
-from difftest.tolerance import Tolerance
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+from difftest.contract.compare import compare
+from difftest.contract.tolerance import Tolerance
+from difftest.judgement import diagnosis
+from difftest.judgement.diagnosis import HYPOTHESIS_NAMES, NOTHING, diagnose, hypothesis_of
+from difftest.results.features import case_features
+from difftest.results.records import CaseRecord
+from difftest.run.runner import Status, run_case
 from mutants.catalog import DIFFTEST_BACKENDS, K_TRIM_OFF
 
 MUTANTS = {m.name: m for m in DIFFTEST_BACKENDS}

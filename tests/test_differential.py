@@ -9,8 +9,8 @@ from hypothesis import given, target
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
+from difftest.case.spec import Case
+from difftest.generation.corpus import load_corpus
 
 CORPUS = load_corpus()
 

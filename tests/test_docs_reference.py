@@ -66,6 +66,6 @@ def test_the_patterns_catch_what_they_are_for() -> None:
         assert JOURNAL.search(line), line
     for line in ("see /work/notes/S3.md", "--report /tmp/doc2/r.json", "/home/me/x"):
         assert MACHINE_PATH.search(line), line
-    for line in ("difftest.session.Session", "a helper function", "deadline=None",
+    for line in ("difftest.run.session.Session", "a helper function", "deadline=None",
                  "~/.cache/difftest/vllm", "/sys/class/kfd", "scratch/tmp/x"):
         assert not JOURNAL.search(line) and not MACHINE_PATH.search(line), line

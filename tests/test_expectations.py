@@ -1,5 +1,5 @@
 """Known bugs: a disagreement an expectation explains is reported apart from new failures,
-and an expected bug that no longer shows fails the run (difftest/expectations.py)."""
+and an expected bug that no longer shows fails the run (difftest/judgement/expectations.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from difftest import expectations
-from difftest.compare import Comparison
-from difftest.records import CaseRecord, ResultRecord, Status
+from difftest.contract.compare import Comparison
+from difftest.judgement import expectations
+from difftest.results.records import CaseRecord, ResultRecord, Status
 
 ENTRY = {"finding": "F99", "summary": "NaN with a small softcap", "backends": ["kern"],
          "releases": "amd-aiter <=0.1.20.post1",
@@ -117,7 +117,7 @@ def test_conditions_read_the_derived_context_length(tmp_path: Path) -> None:
 KNOWN_NAN = {"finding": "F97", "summary": "nan-out writes NaN", "backends": ["nan-out"],
              "releases": "torch >=0", "when": {}, "nonfinite": True}
 TINY_TEST = '''
-from difftest.case import Case
+from difftest.case.spec import Case
 
 
 def test_tiny(check_case):
@@ -166,8 +166,8 @@ def test_a_known_bug_is_one_closing_line_not_a_message_in_full(tmp_path: Path, c
 def test_a_known_bug_is_not_diagnosed(tmp_path: Path, monkeypatch) -> None:
     """The diagnosis reruns a kernel whose rows are NaN: for a disagreement a known bug
     explains, that cost bought nothing the finding does not say."""
-    from difftest.case import Case
-    from difftest.session import Session
+    from difftest.case.spec import Case
+    from difftest.run.session import Session
 
     case = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),))
     plugin = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"

@@ -110,7 +110,7 @@ def test_difftest_backends_lists_broken_backends_as_unavailable(
 
 
 TESTS = '''
-from difftest.case import Case
+from difftest.case.spec import Case
 
 def test_tiny(check_case):
     check_case(Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),),

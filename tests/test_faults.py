@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
-from difftest.artifacts import ArtifactStore, promote_command, repro_command, running_path
-from difftest.case import Case
-from difftest.replay import report_previous_crashes
+from difftest.case.spec import Case
+from difftest.results.artifacts import ArtifactStore, promote_command, repro_command, running_path
+from difftest.run.replay import report_previous_crashes
 
 FAKES = Path(__file__).parent / "fake_backends.py"
 TINY = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),), seed=4)
@@ -167,7 +167,7 @@ def test_a_pasted_replay_command_runs_nothing_else(tmp_path: Path) -> None:
 
 def test_reports_and_artifacts_keep_the_users_umask(tmp_path: Path) -> None:
     """Atomic writes went through mkstemp's 0600 whatever the umask."""
-    from difftest.jsonfile import write_json
+    from difftest.primitives.jsonfile import write_json
 
     old = os.umask(0o022)
     try:
@@ -185,10 +185,10 @@ def test_reports_and_artifacts_keep_the_users_umask(tmp_path: Path) -> None:
 
 def test_plot_without_matplotlib_is_one_line_naming_what_to_install(tmp_path, capsys,
                                                                     monkeypatch) -> None:
-    from difftest.report import build_report
+    from difftest.reporting.report import build_report
 
     report = tmp_path / "r.json"
-    from difftest.jsonfile import write_json
+    from difftest.primitives.jsonfile import write_json
 
     write_json(report, build_report([], {}, {"runner": "test"}, {"versions": {}}))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
@@ -222,7 +222,7 @@ from pathlib import Path
 
 import torch
 
-from difftest.backend import Precision, RunInputs
+from difftest.contract.backend import Precision, RunInputs
 from difftest.backends.torch_ref import TorchReference
 
 MARKS = Path(os.environ["SLOW_MARKS"])
@@ -301,7 +301,7 @@ def test_a_signal_python_drops_in_a_gc_callback_still_ends_the_run(capfd) -> Non
     traceback there, was lost, and the job ran on until its parent killed it."""
     import gc
 
-    from difftest import interrupts
+    from difftest.primitives import interrupts
 
     def callback(phase: str, _info: dict) -> None:
         if phase == "start":
@@ -354,7 +354,7 @@ def test_an_interrupted_run_writes_a_partial_report_and_blames_no_kernel(
 
 PYTEST_CASES = '''
 import pytest
-from difftest.case import Case
+from difftest.case.spec import Case
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -450,7 +450,7 @@ def test_an_interrupted_jobs_run_merges_the_jobs_partial_reports(tmp_path: Path,
 def test_a_killed_parent_takes_its_jobs_along_and_the_next_run_cleans_up(
         tmp_path: Path) -> None:
     """SIGKILL of the parent of --jobs leaked its temporary directory (and its jobs ran on)."""
-    from difftest.jobs import _remove_orphans
+    from difftest.run.jobs import _remove_orphans
 
     proc, _, marks = _slow_run(tmp_path, "--jobs", "2", env={"SLOW_ALL": "1"})
     job = _sleeper(marks, proc)
@@ -497,7 +497,7 @@ def test_a_full_disk_names_the_file_and_leaves_no_false_crash(tmp_path: Path) ->
     path, and left the pending file, which the next run turned into a crash of the backend.
     The disk is a file-size limit (RLIMIT_FSIZE): the pending file fits, results.json
     (twice its size for this case) does not."""
-    from difftest.artifacts import ArtifactStore as Store
+    from difftest.results.artifacts import ArtifactStore as Store
 
     pending = Store(tmp_path / "probe", plugins=(str(FAKES),)).begin(
         TINY, ["torch-ref", "perturbed"])

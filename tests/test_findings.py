@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftest import devices
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import INTERPRETER_BF16_FINDING, TritonUnifiedAttention
-from difftest.case import Case
-from difftest.runner import Status, run_case
+from difftest.case.spec import Case
+from difftest.machine import devices
+from difftest.run.runner import Status, run_case
 
 pytestmark = pytest.mark.skipif(not devices.interpreted(),
                                 reason="findings about Triton's CPU interpreter")

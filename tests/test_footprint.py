@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
-from difftest import footprint
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case import Case
-from difftest.footprint import GIB, refusal
-from difftest.layouts import CachePool
-from difftest.records import Status
-from difftest.runner import run_case
+from difftest.case.spec import Case
+from difftest.inputs.kv_cache import CachePool
+from difftest.results.records import Status
+from difftest.run import footprint
+from difftest.run.footprint import GIB, refusal
+from difftest.run.runner import run_case
 from tests.fake_backends import Rounded
 
 CPU = torch.device("cpu")

@@ -44,8 +44,9 @@ def test_record_what_the_run_looks_like():
                    "difftest_profiles": profiles}, fh)
 '''
 
-HEAVY = ("torch", "triton", "vllm", "numpy", "difftest.runner", "difftest.session",
-         "difftest.artifacts", "difftest._pytest_run", "difftest.devices", "difftest.registry")
+HEAVY = ("torch", "triton", "vllm", "numpy", "difftest.run.runner", "difftest.run.session",
+         "difftest.results.artifacts", "difftest.frontends.pytest_run", "difftest.machine.devices",
+         "difftest.contract.registry")
 
 
 def _foreign_env() -> dict[str, str]:
@@ -96,7 +97,7 @@ def test_the_ini_switch_activates_difftest(foreign: Path) -> None:
     """The same project with ``difftest = true``: the plugin is active, with its profile."""
     (foreign / "pytest.ini").write_text("[pytest]\ntestpaths = .\ndifftest = true\n")
     seen = _run_foreign(foreign)
-    assert "difftest._pytest_run" in seen["modules"]
+    assert "difftest.frontends.pytest_run" in seen["modules"]
     assert seen["profile"] == "difftest-dev" and seen["max_examples"] == 50
 
 

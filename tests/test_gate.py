@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from difftest import cli
-from difftest.artifacts import repro_command
-from difftest.case import Case
-from difftest.gate import gate
-from difftest.jsonfile import write_json
-from difftest.records import CaseRecord, ResultRecord, Status
-from difftest.report import build_report
-from difftest.session import Session
+from difftest.case.spec import Case
+from difftest.primitives.jsonfile import write_json
+from difftest.reporting.gate import gate
+from difftest.reporting.report import build_report
+from difftest.results.artifacts import repro_command
+from difftest.results.records import CaseRecord, ResultRecord, Status
+from difftest.run.session import Session
 
 BACKEND = "triton-unified"
 

@@ -11,15 +11,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from difftest._pytest_run import chosen_profile
-from difftest.backend import RunInputs
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
-from difftest.case import HEAD_DIMS, Case, CaseError
-from difftest.cases.capabilities import Capabilities
-from difftest.cases.dense import (
+from difftest.case.layouts import LAYOUTS
+from difftest.case.selection import build_rows
+from difftest.case.spec import HEAD_DIMS, Case, CaseError
+from difftest.contract.backend import RunInputs
+from difftest.frontends.pytest_run import chosen_profile
+from difftest.generation.capabilities import Capabilities
+from difftest.generation.dense import (
     BLOCK_SIZES,
     DENSE_LAYOUTS,
     DENSE_SHARE,
@@ -27,14 +29,12 @@ from difftest.cases.dense import (
     dense_cases,
     dense_rows,
 )
-from difftest.cases.generate import generated_cases
-from difftest.cases.strategies import cases
-from difftest.inputs import generate
-from difftest.kv_layouts import LAYOUTS
-from difftest.layouts import CachePool, build_cache, write_attended
-from difftest.records import Status
-from difftest.runner import run_case
-from difftest.sparse_table import build_rows
+from difftest.generation.generate import generated_cases
+from difftest.generation.strategies import cases
+from difftest.inputs.case_data import generate
+from difftest.inputs.kv_cache import CachePool, build_cache, write_attended
+from difftest.results.records import Status
+from difftest.run.runner import run_case
 
 CPU = torch.device("cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -223,7 +223,7 @@ def test_a_kernel_reading_the_wrong_kv_head_disagrees() -> None:
 
 
 def test_dense_rows_run_as_one_sequence_per_request() -> None:
-    from difftest.sparse_table import kernel_sequences
+    from difftest.case.selection import kernel_sequences
 
     case = dense(seq_lens=(70, 0, 33), dql=3)
     assert kernel_sequences(case) == [(0, 3), (3, 1), (4, 1), (5, 1), (6, 3)]

@@ -1,6 +1,6 @@
 """One reading of GPU visibility: ``--device auto``, pinning and fingerprints agree on it.
 
-The hosts are faked by pointing :mod:`difftest.gpus` at driver directories built under
+The hosts are faked by pointing :mod:`difftest.machine.gpus` at driver directories built under
 ``tmp_path``, so the real counting code runs and the same tests hold on any machine.
 """
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from difftest import devices, gpus, pinning
-from difftest.fingerprint import fingerprint
-from difftest.gpus import CUDA, HIP, ROCR, VisibilityError
+from difftest.machine import devices, gpus, pinning
+from difftest.machine.fingerprint import fingerprint
+from difftest.machine.gpus import CUDA, HIP, ROCR, VisibilityError
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The comparison's CUDA graphs (difftest.graphs) give the eager comparison's results."""
+"""The comparison's CUDA graphs (difftest.primitives.cuda_graphs) give the eager comparison's
+results."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from difftest import compare as compare_module
-from difftest.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.compare import Comparison, compare
-from difftest.graphs import GraphCache
-from difftest.tolerance import Tolerance
+from difftest.case.spec import Case
+from difftest.contract import compare as compare_module
+from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
+from difftest.contract.compare import Comparison, compare
+from difftest.contract.tolerance import Tolerance
+from difftest.generation.corpus import load_corpus
+from difftest.primitives.cuda_graphs import GraphCache
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
                           reason="CUDA graphs need a CUDA device; this machine has none")

@@ -28,12 +28,12 @@ from difftest.backends.aiter_triton import SourceError
 from difftest.backends.aiter_triton import resolve as resolve_aiter
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_release import ReleaseError
-from difftest.case import Case
-from difftest.cases.capabilities import Capabilities
-from difftest.cases.dense import dense_cases, dense_examples
-from difftest.cases.generate import generated_cases
-from difftest.registry import RegistryError, discover, select
-from difftest.runner import Status, run_case
+from difftest.case.spec import Case
+from difftest.contract.registry import RegistryError, discover, select
+from difftest.generation.capabilities import Capabilities
+from difftest.generation.dense import dense_cases, dense_examples
+from difftest.generation.generate import generated_cases
+from difftest.run.runner import Status, run_case
 
 BUG = {b.name: b for b in KNOWN_BUGS}
 FIXED_BUGS = [b for b in KNOWN_BUGS if b.fixed]

@@ -1,6 +1,6 @@
 """No import cycles among difftest's modules, read statically from their source.
 
-Every module of ``difftest``, ``difftest.backends`` and ``difftest.cases`` is parsed (never
+Every module of ``difftest``, ``difftest.backends`` and ``difftest.generation`` is parsed (never
 imported) and each import that runs when the module loads is an edge: module-level imports,
 including those in class bodies and ``try``/``if`` blocks. Imports under ``if TYPE_CHECKING:``
 never run but still say which module depends on which, so they are judged too, separately.
@@ -14,7 +14,13 @@ import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGES = ("difftest", "difftest.backends", "difftest.cases")
+# The layer packages, lowest first: the data flows case -> inputs (cache and views) -> backends
+# -> results -> judgement -> report, and each layer imports only from layers before it.
+LAYERS = ("primitives", "machine", "case", "inputs", "contract", "generation", "backends",
+          "results", "judgement", "reporting", "run", "frontends")
+# Above every layer: the package face and the entry points (``difftest``, ``difftest.cli``,
+# ``difftest.pytest_plugin``, ``difftest.__main__``).
+TOP = len(LAYERS)
 
 
 def _package_dir(package: str) -> Path:
@@ -24,13 +30,23 @@ def _package_dir(package: str) -> Path:
 
 
 def modules() -> dict[str, Path]:
-    """Every module of :data:`PACKAGES` by dotted name (packages by their ``__init__``)."""
+    """Every module of ``difftest`` and its sub-packages by dotted name (packages by their
+    ``__init__``)."""
+    root = _package_dir("difftest")
     found: dict[str, Path] = {}
-    for package in PACKAGES:
-        for path in sorted(_package_dir(package).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            found[name] = path
+    for path in sorted(root.rglob("*.py")):
+        parts = ("difftest", *path.relative_to(root).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
+
+
+def layer(module: str) -> int:
+    """The index of ``module``'s layer in :data:`LAYERS` (:data:`TOP` for the face and the
+    entry points)."""
+    parts = module.split(".")
+    if len(parts) == 1 or (len(parts) == 2 and parts[1] not in LAYERS):
+        return TOP
+    return LAYERS.index(parts[1])
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -146,38 +162,67 @@ def _cycle_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
 
 def test_the_walk_sees_every_package_and_their_imports() -> None:
     at_load = import_graph(LOAD)
-    assert {"difftest.runner", "difftest.backends.torch_ref", "difftest.cases.corpus"} <= set(
-        at_load)
-    assert "difftest.backend" in at_load["difftest.backends.torch_ref"]
+    assert {"difftest.run.runner", "difftest.backends.torch_ref",
+            "difftest.generation.corpus"} <= set(at_load)
+    assert "difftest.contract.backend" in at_load["difftest.backends.torch_ref"]
+
+
+def test_every_module_sits_in_a_named_layer_or_at_the_top() -> None:
+    """A handful of modules at the top (the face and the entry points); the rest in layers."""
+    top = sorted(m for m in modules() if layer(m) == TOP)
+    assert top == ["difftest", "difftest.__main__", "difftest.cli", "difftest.pytest_plugin"]
+    present = {m.split(".")[1] for m in modules() if layer(m) < TOP}
+    assert present == set(LAYERS)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    def name(module: str) -> str:
+        return LAYERS[layer(module)] if layer(module) < TOP else "top"
+    return sorted(f"{m} ({name(m)}) imports {t} ({name(t)})"
+                  for m, targets in graph.items() for t in targets if layer(t) > layer(m))
+
+
+def test_layers_import_only_downward() -> None:
+    upward = _upward(import_graph(LOAD, TYPE_ONLY, DEFERRED))
+    assert not upward, "imports reaching up a layer:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    graph = {"difftest.case.spec": {"difftest.run.runner"}, "difftest.run.runner": set(),
+             "difftest.cli": {"difftest.run.runner"}}
+    assert _upward(graph) == ["difftest.case.spec (case) imports difftest.run.runner (run)"]
+    assert layer("difftest.backends.torch_ref") == LAYERS.index("backends")
 
 
 def test_import_kinds_and_targets() -> None:
     source = """
-import difftest.case.nothing
-from difftest import backend, __version__
+import difftest.case.spec.nothing
+from difftest import __version__
+from difftest.contract import backend
 from . import torch_ref
 try:
     from .vllm_imports import x
 except ImportError:
     pass
 if TYPE_CHECKING:
-    from difftest.runner import CaseResult
+    from difftest.run.runner import CaseResult
 else:
-    from difftest import compare
+    from difftest.contract import compare
 class A:
-    from difftest import layouts
+    from difftest.inputs import kv_cache
 def f():
-    from difftest import registry
+    from difftest.contract import registry
 """
     known = modules()
     found: dict[str, set[str]] = {LOAD: set(), TYPE_ONLY: set(), DEFERRED: set()}
     for node, kind in _imports(ast.parse(source)):
         found[kind] |= _targets(node, "difftest.backends.aiter_gluon", False, known)
     assert found == {
-        LOAD: {"difftest.case", "difftest.backend", "difftest", "difftest.backends.torch_ref",
-               "difftest.backends.vllm_imports", "difftest.compare", "difftest.layouts"},
-        TYPE_ONLY: {"difftest.runner"},
-        DEFERRED: {"difftest.registry"},
+        LOAD: {"difftest.case.spec", "difftest.contract.backend", "difftest",
+               "difftest.backends.torch_ref", "difftest.backends.vllm_imports",
+               "difftest.contract.compare", "difftest.inputs.kv_cache"},
+        TYPE_ONLY: {"difftest.run.runner"},
+        DEFERRED: {"difftest.contract.registry"},
     }
 
 

@@ -1,4 +1,5 @@
-"""The interpreter skips (difftest/interpreter.py): nested re-patching, dropped overflow checks."""
+"""The interpreter skips (difftest/machine/interpreter.py): nested re-patching, dropped overflow
+checks."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent('''
         return original(fn)
     interpreter._patch_lang = counted
     if sys.argv[1] == "skip":
-        from difftest.interpreter import skip_nested_patching
+        from difftest.machine.interpreter import skip_nested_patching
         assert skip_nested_patching() and skip_nested_patching()  # idempotent
 
     @triton.jit
@@ -76,7 +77,7 @@ OVERFLOW_SCRIPT = textwrap.dedent('''
     os.environ["TRITON_INTERPRET"] = "1"
     import torch, triton, triton.language as tl
     from triton.runtime import interpreter
-    from difftest.interpreter import skip_dropped_overflow_checks
+    from difftest.machine.interpreter import skip_dropped_overflow_checks
 
     @triton.jit
     def kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):

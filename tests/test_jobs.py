@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from difftest import cli, pinning
-from difftest import jobs as jobs_module
-from difftest.gpus import VISIBILITY_VARS
-from difftest.jobs import auto_jobs, claimed, job_environments
-from difftest.pinning import FAKE_GPUS_ENV
-from difftest.report import case_records
-from difftest.shard import comparable_case
+from difftest import cli
+from difftest.machine import pinning
+from difftest.machine.gpus import VISIBILITY_VARS
+from difftest.machine.pinning import FAKE_GPUS_ENV
+from difftest.reporting.report import case_records
+from difftest.run import jobs as jobs_module
+from difftest.run.jobs import auto_jobs, claimed, job_environments
+from difftest.run.shard import comparable_case
 
 PLUGIN = Path(__file__).parent / "fake_backends.py"
 

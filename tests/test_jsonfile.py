@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from difftest import jsonfile
-from difftest.jsonfile import (
+from difftest.primitives import jsonfile
+from difftest.primitives.jsonfile import (
     JSONFileError,
     append_json_line,
     number,

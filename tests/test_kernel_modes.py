@@ -13,8 +13,6 @@ import torch
 from hypothesis import HealthCheck, find, settings
 from hypothesis import strategies as st
 
-from difftest.audit import audit
-from difftest.backend import RunInputs
 from difftest.backends import triton_unified
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
@@ -25,13 +23,15 @@ from difftest.backends.triton_unified import (
 )
 from difftest.backends.vllm_release import release_root
 from difftest.backends.vllm_triton_sparse import IRREGULAR_FINDING, VllmTritonSparse
-from difftest.case import MODE_DEFAULTS, Case, CaseError
-from difftest.cases.generate import generated_cases
-from difftest.cases.modes import with_kernel_modes
-from difftest.cases.strategies import cases
-from difftest.runner import Status, run_case
-from difftest.sparse_table import build_rows, kernel_sequences, portable_reading_differs
-from difftest.tolerance import Tolerance
+from difftest.case.selection import build_rows, kernel_sequences, portable_reading_differs
+from difftest.case.spec import MODE_DEFAULTS, Case, CaseError
+from difftest.contract.backend import RunInputs
+from difftest.contract.tolerance import Tolerance
+from difftest.generation.generate import generated_cases
+from difftest.generation.modes import with_kernel_modes
+from difftest.generation.strategies import cases
+from difftest.judgement.audit import audit
+from difftest.run.runner import Status, run_case
 
 BASE = Case(num_blocks=8, seq_lens=(300,), block_tables=((5, 2, 7),), selections=((0, 1, 2),),
             num_q_heads=2, seed=11)
@@ -330,7 +330,7 @@ def test_f12_interpreter_turns_fp32_subnormals_into_fp8_values() -> None:
     """F12: Triton's interpreter casts float32 subnormals to nonzero e4m3 (torch gives 0);
     the fp8-query kernel then gives weights of ~1e-40 a weight of ~1e-5, so ``triton-unified``
     refuses fp8 queries on the CPU. The tolerance of fp8 queries charges the rounding of q and
-    K (fp8 dots are not exact on GPUs, difftest/tolerance.py), which on these logits admits
+    K (fp8 dots are not exact on GPUs, difftest/contract/tolerance.py), which on these logits admits
     almost anything; judged by the budget of exact operands, which the H200's fp8-query kernel
     exceeds by at most 5.3x over 2000 correct examples (docs/results.md), the interpreter's
     output is over 1000x out."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftest.case import Case
-from difftest.inputs import generate
-from difftest.layouts import POISON, build_cache
-from difftest.sparse_table import build_rows
+from difftest.case.selection import build_rows
+from difftest.case.spec import Case
+from difftest.inputs.case_data import generate
+from difftest.inputs.kv_cache import POISON, build_cache
 
 KV = ("float16", "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz")
 

@@ -15,14 +15,14 @@ import torch
 from hypothesis import strategies as st
 
 from benchmarks.mutation_benchmark import FULL, hunt
-from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.capabilities import cases_for_backend
-from difftest.cases.generate import generated_cases
-from difftest.cases.strategies import SELECTION_MODES, cases
-from difftest.registry import load_plugin
-from difftest.runner import Status, run_case
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+from difftest.contract.registry import load_plugin
+from difftest.generation.capabilities import cases_for_backend
+from difftest.generation.generate import generated_cases
+from difftest.generation.strategies import SELECTION_MODES, cases
+from difftest.run.runner import Status, run_case
 from mutants.catalog import DIFFTEST_BACKENDS
 from mutants.injection import MutantBackend, MutatedInputs
 
@@ -39,7 +39,7 @@ HARMLESS_CASES = 30
 # Where the strategies' first examples reach a mutant's bug too rarely for KILL_WITHIN, the
 # test draws from the part of the case space the bug lives in, and the benchmark (which draws
 # from all of it) records the real count. Hypothesis 6.170's generator repeats earlier draws:
-# since the kernel modes are drawn first (difftest/cases/modes.py), the first 40 examples of
+# since the kernel modes are drawn first (difftest/generation/modes.py), the first 40 examples of
 # the hunt hold no e4m3fn cache at all (docs/findings.md F11).
 NARROWED: dict[str, dict[str, Any]] = {
     "triton-unified!e4m3fn-as-fnuz": {"kv_dtypes": ("float8_e4m3fn",)}}

@@ -1,4 +1,4 @@
-"""The wheel holds one top-level package, difftest (its backends and cases included), no
+"""The wheel holds one top-level package, difftest (every layer package included), no
 benchmarks/ or mutants/, the case corpus included, every entry point resolvable in it."""
 
 from __future__ import annotations
@@ -48,26 +48,29 @@ def test_the_only_top_level_package_is_difftest(wheel: zipfile.ZipFile) -> None:
     assert top - dist_info == {"difftest"}
 
 
-def test_backends_and_cases_live_in_the_namespace(wheel: zipfile.ZipFile) -> None:
+def test_every_layer_package_lives_in_the_namespace(wheel: zipfile.ZipFile) -> None:
     names = set(wheel.namelist())
-    for package in ("difftest/backends", "difftest/cases"):
-        modules = {p.name for p in (ROOT / package).glob("*.py")}
-        assert modules and {f"{package}/{m}" for m in modules} <= names
+    packages = [p.parent for p in (ROOT / "difftest").glob("*/__init__.py")]
+    assert {"backends", "generation", "run"} <= {p.name for p in packages}
+    for package in packages:
+        modules = {p.name for p in package.glob("*.py")}
+        prefix = package.relative_to(ROOT).as_posix()
+        assert modules and {f"{prefix}/{m}" for m in modules} <= names
     assert not any("/mutants/" in n or "/benchmarks/" in n or n.startswith(("mutants/",
                    "benchmarks/")) for n in names)
 
 
 def test_the_case_corpus_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
-    corpus = {p.name for p in (ROOT / "difftest" / "cases" / "corpus").glob("*.json")}
+    corpus = {p.name for p in (ROOT / "difftest" / "generation" / "corpus").glob("*.json")}
     packed = {n.rsplit("/", 1)[1] for n in wheel.namelist()
-              if n.startswith("difftest/cases/corpus/") and n.endswith(".json")}
+              if n.startswith("difftest/generation/corpus/") and n.endswith(".json")}
     assert corpus and packed == corpus
 
 
 def test_the_known_bugs_file_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
     """An installed difftest reports known bugs as a checkout does."""
-    packed = wheel.read("difftest/expectations.json")
-    assert packed == (ROOT / "difftest" / "expectations.json").read_bytes()
+    packed = wheel.read("difftest/judgement/expectations.json")
+    assert packed == (ROOT / "difftest" / "judgement" / "expectations.json").read_bytes()
 
 
 def test_every_entry_point_names_a_module_in_the_wheel(wheel: zipfile.ZipFile) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from difftest import gpus
-from difftest.gpus import visible_gpus
-from difftest.pinning import (
+from difftest.machine import gpus
+from difftest.machine.gpus import visible_gpus
+from difftest.machine.pinning import (
     FAKE_GPUS_ENV,
     PinningError,
     assign,
@@ -150,7 +150,7 @@ PLUGIN = (Path(__file__).parent / "fake_backends.py").read_text()
 
 TESTS = '''
 import json, os, pytest
-from difftest.case import Case
+from difftest.case.spec import Case
 
 @pytest.mark.parametrize("seed", range(4))
 def test_case(seed, check_case, tmp_path_factory):

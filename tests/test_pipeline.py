@@ -1,7 +1,7 @@
 """The pipelined session (issue 11): the same records as running case by case.
 
-:meth:`difftest.session.Session.run_all` prepares the next cases' host-side inputs
-(:func:`difftest.runner.prepare_host`, in a worker process) while the current case runs.
+:meth:`difftest.run.session.Session.run_all` prepares the next cases' host-side inputs
+(:func:`difftest.run.runner.prepare_host`, in a worker process) while the current case runs.
 These tests show that the records, verdicts and messages are those of :meth:`Session.run`
 case by case, that the preparation really happens (in the worker) while an earlier case is in
 flight and that this process builds a prepared case's rows only when a comparison reads them,
@@ -22,13 +22,14 @@ import torch
 from hypothesis import given
 
 from benchmarks.throughput import production_case
-from difftest import inputs, runner
-from difftest import session as session_module
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import MODE_DEFAULTS, Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
-from difftest.session import Session
+from difftest.case.spec import MODE_DEFAULTS, Case
+from difftest.generation.corpus import load_corpus
+from difftest.generation.strategies import cases
+from difftest.inputs import case_data
+from difftest.run import runner
+from difftest.run import session as session_module
+from difftest.run.session import Session
 
 NAN_PLUGIN = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"
 BACKENDS = ["aiter-gluon@emulated", "nan-out"]
@@ -112,7 +113,7 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
     log: list[tuple[str, Any]] = []
     store = piped.store
     begin, finish = store.begin, store.finish
-    draw, tables, rows, preparation = (inputs._draw, inputs.host_tables, runner.build_rows,
+    draw, tables, rows, preparation = (case_data._draw, case_data.host_tables, runner.build_rows,
                                        runner.Preparation)
 
     def logged_begin(case: Case, names: list[str]) -> Path:
@@ -144,8 +145,8 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(store, "begin", logged_begin)
         patch.setattr(store, "finish", logged_finish)
-        patch.setattr(inputs, "_draw", logged_draw)
-        patch.setattr(inputs, "host_tables", logged_tables)
+        patch.setattr(case_data, "_draw", logged_draw)
+        patch.setattr(case_data, "host_tables", logged_tables)
         patch.setattr(runner, "build_rows", logged_rows)
         patch.setattr(session_module, "Preparation", logged_preparation)
         results = list(piped.run_all(the_runs()))

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.cases.capabilities import Capabilities
-from difftest.cases.corpus import load_corpus
-from difftest.cases.generate import generated_cases
-from difftest.plan import RunPlan, case_set_line
-from difftest.shard import Shard
+from difftest.generation.capabilities import Capabilities
+from difftest.generation.corpus import load_corpus
+from difftest.generation.generate import generated_cases
+from difftest.run.plan import RunPlan, case_set_line
+from difftest.run.shard import Shard
 
 
 def test_the_plan_counts_its_cases_by_origin_in_every_shard() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
-from difftest.case import Case
-from difftest.plot import FLOOR_RATIO, INF_RATIO, points
-from difftest.report import build_report
-from difftest.session import Session
+from difftest.case.spec import Case
+from difftest.reporting.plot import FLOOR_RATIO, INF_RATIO, points
+from difftest.reporting.report import build_report
+from difftest.run.session import Session
 
 pytest.importorskip("matplotlib")
 

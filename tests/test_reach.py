@@ -26,13 +26,13 @@ from difftest.backends.triton_unified import TritonUnifiedAttention, kernel_path
 from difftest.backends.vllm_aiter import VllmAiter
 from difftest.backends.vllm_arch import ARCHES, arch_of, on_arch
 from difftest.backends.vllm_release import ReleaseError, release_root
-from difftest.case import Case
-from difftest.gate import gate, reach_lines
-from difftest.reach import LineTrace, file_reach, merge_reach
-from difftest.registry import RegistryError, select
-from difftest.report import build_report
-from difftest.runner import Status, run_case
-from difftest.session import Session
+from difftest.case.spec import Case
+from difftest.contract.registry import RegistryError, select
+from difftest.reporting.gate import gate, reach_lines
+from difftest.reporting.report import build_report
+from difftest.results.reach import LineTrace, file_reach, merge_reach
+from difftest.run.runner import Status, run_case
+from difftest.run.session import Session
 
 OLD = """\
 FLAG = False

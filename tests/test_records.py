@@ -15,13 +15,10 @@ from typing import Any
 
 import pytest
 
-from difftest import records, runner
-from difftest.artifacts import ArtifactStore, read_results
-from difftest.cases.corpus import load_corpus
-from difftest.compare import Comparison, Location
-from difftest.jsonfile import dumps
-from difftest.records import FEATURE_TYPES, CaseRecord, RecordError, ResultRecord, Status
-from difftest.report import (
+from difftest.contract.compare import Comparison, Location
+from difftest.generation.corpus import load_corpus
+from difftest.primitives.jsonfile import dumps
+from difftest.reporting.report import (
     BackendEntry,
     ReportFields,
     WorkerEntry,
@@ -30,7 +27,11 @@ from difftest.report import (
     read_report,
     write_report,
 )
-from difftest.session import Session
+from difftest.results import records
+from difftest.results.artifacts import ArtifactStore, read_results
+from difftest.results.records import FEATURE_TYPES, CaseRecord, RecordError, ResultRecord, Status
+from difftest.run import runner
+from difftest.run.session import Session
 
 SCHEMA_DOC = Path(__file__).parents[1] / "docs" / "report-schema.md"
 

@@ -19,14 +19,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from difftest import devices
-from difftest.backend import Precision, RunInputs
 from difftest.backends import torch_ref
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
-from difftest.tolerance import Reference, Tolerance
+from difftest.case.spec import Case
+from difftest.contract.backend import Precision, RunInputs
+from difftest.contract.tolerance import Reference, Tolerance
+from difftest.generation.corpus import load_corpus
+from difftest.generation.strategies import cases
+from difftest.machine import devices
 from tests.test_geometry import dense
 from tests.test_reference_magnitudes import MODES, relative_bounds
 

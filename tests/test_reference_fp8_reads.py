@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from difftest import devices
 from difftest.backends import _reference_triton as kernels
+from difftest.machine import devices
 
 BLOCK, DIM = 128, 128
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from difftest.backend import Precision, RunInputs
 from difftest.backends import torch_ref
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
-from difftest.dtypes import QUERY_DTYPES, unit_roundoff
-from difftest.tolerance import LOGIT_SIGMAS, Reference, Tolerance
+from difftest.case.spec import Case
+from difftest.contract.backend import Precision, RunInputs
+from difftest.contract.tolerance import LOGIT_SIGMAS, Reference, Tolerance
+from difftest.generation.corpus import load_corpus
+from difftest.generation.strategies import cases
+from difftest.primitives.dtypes import QUERY_DTYPES, unit_roundoff
 
 U32, U64 = 2.0**-24, 2.0**-53
 CPU = torch.device("cpu")

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import Case
-from difftest.registry import RegistryError, discover, select, split_names
-from difftest.runner import Status, run_case
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+from difftest.contract.registry import RegistryError, discover, select, split_names
+from difftest.run.runner import Status, run_case
 
 
 def test_split_names_keeps_commas_inside_options() -> None:

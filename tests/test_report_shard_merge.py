@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.dense import dense_examples
-from difftest.cases.generate import generated_cases
-from difftest.jsonfile import write_json
-from difftest.records import CaseRecord, ResultRecord, Status
-from difftest.report import REPORT_SCHEMA, ReportError, case_records, read_report
-from difftest.shard import Shard, ShardError, comparable_case, merge_reports, shard_of
+from difftest.case.spec import Case
+from difftest.generation.corpus import load_corpus
+from difftest.generation.dense import dense_examples
+from difftest.generation.generate import generated_cases
+from difftest.primitives.jsonfile import write_json
+from difftest.reporting.report import REPORT_SCHEMA, ReportError, case_records, read_report
+from difftest.results.records import CaseRecord, ResultRecord, Status
+from difftest.run.shard import Shard, ShardError, comparable_case, merge_reports, shard_of
 
 SHARDS = 4
 
@@ -166,7 +166,7 @@ PLUGIN = (Path(__file__).parent / "fake_backends.py").read_text()
 TESTS = '''
 import pytest
 from hypothesis import given, settings, strategies as st
-from difftest.case import Case
+from difftest.case.spec import Case
 
 def tiny(seed):
     return Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),),

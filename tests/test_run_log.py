@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from difftest._pytest_run import RunLog
-from difftest.jsonfile import JSONFileError
+from difftest.frontends.pytest_run import RunLog
+from difftest.primitives.jsonfile import JSONFileError
 
 
 def test_a_cut_last_line_is_dropped_and_the_complete_lines_kept(tmp_path: Path) -> None:

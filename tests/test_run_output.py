@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 from packaging.specifiers import SpecifierSet
 
-from difftest import cli, expectations
-from difftest.expectations import Expectation
-from difftest.records import Status
+from difftest import cli
+from difftest.judgement import expectations
+from difftest.judgement.expectations import Expectation
+from difftest.results.records import Status
 
 LINE_BUDGET = 80  # a run's default output
 FIRST_SCREEN = 50  # where a failure, its diagnosis and its replay command must show

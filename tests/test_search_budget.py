@@ -20,7 +20,7 @@ def test_generated(seed, check_example):
     check_example(tiny(seed))
 '''
 TINY = '''
-from difftest.case import Case
+from difftest.case.spec import Case
 
 def tiny(seed):
     return Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),),

@@ -1,13 +1,15 @@
 """The session's bookkeeping, made cheaper (issue 11), writes exactly what it wrote before.
 
-* :func:`difftest.jsonfile.dumps` encodes a value without non-finite floats as it is and copies
-  only a value that has one (:func:`difftest.jsonfile.encode_nonfinite`): the text, the
+* :func:`difftest.primitives.jsonfile.dumps` encodes a value without non-finite floats as it is and
+copies
+  only a value that has one (:func:`difftest.primitives.jsonfile.encode_nonfinite`): the text, the
   record's ``results.json`` and the report file are the bytes the copy-always path wrote, for
   a real record with non-finite numbers and one without.
-* :meth:`difftest.session.Session.run` serialises the case once (the dict the pending file
+* :meth:`difftest.run.session.Session.run` serialises the case once (the dict the pending file
   holds goes into the record) and takes the features from the rows generation built: its
-  record is the one :meth:`difftest.runner.CaseResult.record` builds from scratch.
-* :func:`difftest.coverage.case_features` counts page ids per segment instead of listing every
+  record is the one :meth:`difftest.run.runner.CaseResult.record` builds from scratch.
+* :func:`difftest.results.features.case_features` counts page ids per segment instead of listing
+every
   page a case reads: the features are those of the listing (the previous code, below).
 """
 
@@ -21,16 +23,17 @@ import pytest
 from hypothesis import given
 
 from benchmarks.throughput import production_case
-from difftest import coverage, jsonfile
-from difftest.artifacts import ArtifactStore
-from difftest.case import Case
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
-from difftest.coverage import PAGE_ID_2_16, case_features
-from difftest.records import CaseRecord
-from difftest.report import build_report, write_report
-from difftest.session import Session
-from difftest.sparse_table import build_rows, row_page_ids
+from difftest.case.selection import build_rows, row_page_ids
+from difftest.case.spec import Case
+from difftest.generation.corpus import load_corpus
+from difftest.generation.strategies import cases
+from difftest.primitives import jsonfile
+from difftest.reporting.report import build_report, write_report
+from difftest.results import features
+from difftest.results.artifacts import ArtifactStore
+from difftest.results.features import PAGE_ID_2_16, case_features
+from difftest.results.records import CaseRecord
+from difftest.run.session import Session
 
 NAN_PLUGIN = f"{Path(__file__).parent / 'fake_backends.py'}:NAN_BACKENDS"
 
@@ -133,7 +136,7 @@ def test_the_session_serialises_the_case_once_and_reuses_its_rows(records, monke
 
     def rebuilt(case: Case) -> None:
         raise AssertionError("the features rebuilt the rows")
-    monkeypatch.setattr(coverage, "build_rows", rebuilt)
+    monkeypatch.setattr(features, "build_rows", rebuilt)
     result = session.run(case, ["aiter-gluon@emulated"])
     assert serialised == [case]  # begin's, for the pending file and the record
     monkeypatch.undo()

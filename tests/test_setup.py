@@ -92,7 +92,8 @@ def test_offline_setup_over_a_preinstalled_image(tmp_path: Path) -> None:
     line = summary_of(run_setup("--test", PYTHON=sys.executable, DIFFTEST_VENV=str(venv)))
     assert f"new {venv} over the packages of {sys.executable}" in line
     assert "installed nothing" in line and "difftest editable (installed)" in line
-    probe = ("import importlib.util as u, json, os, sys; import difftest.backends, difftest.cases;"
+    probe = ("import importlib.util as u, json, os, sys;"
+             " import difftest.backends, difftest.generation;"
              " print(json.dumps([sys.prefix, u.find_spec('torch').origin, [p for p in sys.path"
              " if os.path.basename(p) in ('site-packages', 'dist-packages')]]))")
     prefix, torch_origin, sites = json.loads(subprocess.run(

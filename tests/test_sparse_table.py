@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from difftest.case import Case
-from difftest.sparse_table import (
+from difftest.case.selection import (
     aiter_table_differs,
     aiter_table_rows,
     build_rows,
@@ -13,6 +12,7 @@ from difftest.sparse_table import (
     row_page_ids,
     selection_is_canonical,
 )
+from difftest.case.spec import Case
 
 
 def test_full_blocks_first_then_tail_and_zero_padding() -> None:

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.case import Case
-from difftest.sparse_table import (
+from difftest.case.selection import (
     Segment,
     SparseRow,
     aiter_table_differs,
@@ -22,6 +21,7 @@ from difftest.sparse_table import (
     page_table,
     reading_differs,
 )
+from difftest.case.spec import Case
 
 RECORD = Path(__file__).with_name("test_bit_identical.json")
 

@@ -5,7 +5,7 @@ tests/test_capabilities.py).
 
 The shrink tests hunt mutants planted on the emulated ``pa_decode_gluon`` (pure torch, fast on
 the CPU) in a bounded, seeded search: generation through
-:class:`~difftest.cases.generate.UniformProvider` (the same examples in every process, F11),
+:class:`~difftest.generation.generate.UniformProvider` (the same examples in every process, F11),
 at most :data:`EXAMPLES` examples and :data:`SHRINK_RUNS` kernel runs of shrinking.
 """
 
@@ -28,19 +28,19 @@ from hypothesis import strategies as st
 
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
-from difftest.case import BLOCK_SIZE, Case
-from difftest.cases.covering import (
+from difftest.case.selection import build_rows, selection_is_canonical
+from difftest.case.spec import BLOCK_SIZE, Case
+from difftest.generation.covering import (
     CLASSES,
     DENSE_CLASSES,
     SCHEDULE,
     CoverClass,
     first_examples,
 )
-from difftest.cases.dense import dense_cases, dense_examples
-from difftest.cases.generate import BACKEND, generated_cases
-from difftest.cases.strategies import PAGE_IDS_PAST_2_16, cases, covering
-from difftest.runner import FAILING, Status, run_case
-from difftest.sparse_table import build_rows, selection_is_canonical
+from difftest.generation.dense import dense_cases, dense_examples
+from difftest.generation.generate import BACKEND, generated_cases
+from difftest.generation.strategies import PAGE_IDS_PAST_2_16, cases, covering
+from difftest.run.runner import FAILING, Status, run_case
 from mutants.catalog import MUTATIONS
 from mutants.injection import MutantBackend
 
@@ -221,20 +221,20 @@ import torch
 spec = json.loads(sys.argv[1])
 for name in spec["imports"]:
     importlib.import_module(name)
-from difftest import registry
+from difftest.contract import registry
 registry.discover(spec["plugins"])
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_release import resolve
-from difftest.case import Case
-from difftest.runner import run_case
+from difftest.case.spec import Case
+from difftest.run.runner import run_case
 probe = Case(num_blocks=1, seq_lens=(1,), block_tables=((0,),), selections=((0,),))
 for tree in spec["releases"]:
     backend = TritonUnifiedAttention().with_options({"vllm": tree})
     run_case(probe, TorchReference(), [backend], torch.device("cpu"))
     assert any(n.startswith(resolve(tree).module_prefix + ".") for n in sys.modules), tree
 import difftest
-from difftest.cases.generate import generated_cases
+from difftest.generation.generate import generated_cases
 print(json.dumps({"file": difftest.__file__,
                   "ids": [c.case_id for c in generated_cases(spec["count"], 0)]}))
 """
@@ -279,7 +279,7 @@ def test_the_case_set_is_the_same_whatever_the_process_loaded(tmp_path: Path) ->
     from difftest.backends.vllm_release import release_root
 
     fetched = sorted(str(p.parent) for p in release_root().glob("*/vllm/__init__.py"))[:1]
-    loaded = {"imports": ["difftest.session", "difftest._pytest_run", "difftest.cli"],
+    loaded = {"imports": ["difftest.run.session", "difftest.frontends.pytest_run", "difftest.cli"],
               "plugins": [str(plugin)], "releases": [str(tree), *fetched],
               "count": 50}
     here = [c.case_id for c in generated_cases(50, 0)]

@@ -12,13 +12,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from difftest.backend import Precision, RunInputs
 from difftest.backends.torch_ref import TorchReference
-from difftest.casefile import read_case
-from difftest.dtypes import underflow_unit
-from difftest.registry import discover
-from difftest.runner import Status, run_case
-from difftest.tolerance import FACTOR, LOGIT_SIGMAS, VALUE_BOUND, Reference, Tolerance
+from difftest.case.casefile import read_case
+from difftest.contract.backend import Precision, RunInputs
+from difftest.contract.registry import discover
+from difftest.contract.tolerance import FACTOR, LOGIT_SIGMAS, VALUE_BOUND, Reference, Tolerance
+from difftest.primitives.dtypes import underflow_unit
+from difftest.run.runner import Status, run_case
 
 
 def _reference(value: float) -> Reference:
@@ -125,8 +125,8 @@ def test_subnormal_outputs_of_the_issue_case_agree_and_need_the_stage_count() ->
     31.62, outliers, window 28) element (row 10, head 47, dim 10) comes out -8.968e-44
     against -8.697e-44, two subnormal spacings off, more than the output's own underflow
     allows; the stage count covers it."""
-    from difftest.backend import RunInputs
-    from difftest.cases.corpus import load_corpus
+    from difftest.contract.backend import RunInputs
+    from difftest.generation.corpus import load_corpus
 
     case = next(c for c in load_corpus() if c.name == SUBNORMAL_CASE)
     backend = discover()["triton-unified"]

@@ -15,8 +15,8 @@ from difftest.backends.aiter_gluon import aiter_availability
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_aiter import VllmAiter
 from difftest.backends.vllm_imports import kernel_availability, vllm_version
-from difftest.cases.corpus import load_corpus
-from difftest.runner import Status, run_case
+from difftest.generation.corpus import load_corpus
+from difftest.run.runner import Status, run_case
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_032 = Path(os.environ.get("DIFFTEST_VLLM_032", ROOT / ".venv" / "vllm-0.32"))
@@ -29,12 +29,12 @@ REPORT_ASSERTION = (
 # Runs in a subprocess whose PYTHONPATH puts another vLLM first; prints one JSON line.
 RUN_REPORTED = """
 import json, sys, torch
-from difftest import devices
+from difftest.machine import devices
 devices.prepare_runtime("cpu")
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_aiter import VllmAiter
-from difftest.cases.corpus import load_corpus
-from difftest.runner import run_case
+from difftest.generation.corpus import load_corpus
+from difftest.run.runner import run_case
 case = {c.name: c for c in load_corpus()}["lbhnc-128-blocks-2048-2040-page-2039"]
 backends = [VllmAiter(emulated=True), VllmAiter(emulated=True, options={"revision": "v0.1.20"})]
 result = run_case(case, TorchReference(), backends, torch.device("cpu"))

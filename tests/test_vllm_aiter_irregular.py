@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftest.backend import RunInputs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_aiter import VllmAiter, cut_short_reason
-from difftest.casefile import read_case
-from difftest.cases.capabilities import Capabilities
-from difftest.compare import compare
-from difftest.runner import Status, run_case
-from difftest.sparse_table import aiter_table_rows, build_rows, selection_is_canonical
-from difftest.tolerance import Tolerance
+from difftest.case.casefile import read_case
+from difftest.case.selection import aiter_table_rows, build_rows, selection_is_canonical
+from difftest.contract.backend import RunInputs
+from difftest.contract.compare import compare
+from difftest.contract.tolerance import Tolerance
+from difftest.generation.capabilities import Capabilities
+from difftest.run.runner import Status, run_case
 
 F14_CASE = read_case(Path(__file__).resolve().parents[1]
                      / "docs" / "data" / "fp-vllm-aiter-duplicate-lane.json")

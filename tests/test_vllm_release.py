@@ -20,9 +20,9 @@ from difftest.backends.torch_ref import TorchReference
 from difftest.backends.triton_unified import TritonUnifiedAttention
 from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs, resolve
 from difftest.backends.vllm_triton_sparse import VllmTritonSparse
-from difftest.case import Case
-from difftest.registry import RegistryError, select
-from difftest.runner import Status, run_case
+from difftest.case.spec import Case
+from difftest.contract.registry import RegistryError, select
+from difftest.run.runner import Status, run_case
 
 CASE = Case(num_blocks=8, seq_lens=(200,), block_tables=((3, 5),), selections=((0, 1),),
             num_q_heads=2, seed=5)

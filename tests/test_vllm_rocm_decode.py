@@ -14,10 +14,10 @@ from difftest.backends.vllm_paged_decode import (
     VllmPagedDecode,
     loads_unread_slots_outside_the_window,
 )
-from difftest.case import Case
-from difftest.expectations import judge, load
-from difftest.records import Status
-from difftest.runner import run_case
+from difftest.case.spec import Case
+from difftest.judgement.expectations import judge, load
+from difftest.results.records import Status
+from difftest.run.runner import run_case
 
 CPU = torch.device("cpu")
 # two requests: 300 tokens over blocks 2, 0 (block 0: page ids 0..7) and 5 (the last block),

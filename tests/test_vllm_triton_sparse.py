@@ -6,21 +6,21 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from difftest import devices
-from difftest.backend import EmptyRowOutput, RunInputs
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_triton_sparse import (
     INTERPRETER_BF16_FINDING,
     IRREGULAR_FINDING,
     VllmTritonSparse,
 )
-from difftest.case import Case, cdiv
-from difftest.cases.corpus import load_corpus
-from difftest.cases.strategies import cases
-from difftest.compare import Comparison, compare
-from difftest.runner import Status, run_case
-from difftest.sparse_table import Segment, SparseRow
-from difftest.tolerance import Tolerance
+from difftest.case.selection import Segment, SparseRow
+from difftest.case.spec import Case, cdiv
+from difftest.contract.backend import EmptyRowOutput, RunInputs
+from difftest.contract.compare import Comparison, compare
+from difftest.contract.tolerance import Tolerance
+from difftest.generation.corpus import load_corpus
+from difftest.generation.strategies import cases
+from difftest.machine import devices
+from difftest.run.runner import Status, run_case
 
 ACCEPT = VllmTritonSparse({"irregular": "accept"})
 CORPUS = {c.name: c for c in load_corpus()}

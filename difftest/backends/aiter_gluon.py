@@ -17,7 +17,7 @@ the output dtype, and the K-trim:
 ``aiter-gluon`` calls the real kernel (ROCm GPU with AITER only); ``aiter-gluon@emulated``
 calls :mod:`difftest.backends.pa_decode_gluon_emulator` on any machine, emulating gfx942 for
 e4m3fnuz KV and gfx950 otherwise. Options, given in the name as ``base[key=value,...]``
-(see :class:`difftest.registry.OptionSpec`; docs/rocm.md):
+(see :class:`difftest.contract.registry.OptionSpec`; docs/rocm.md):
 
 * ``k_trim``: ``on`` (default); ``off`` (K passed untrimmed); ``before-stride`` (the pitfall:
   K trimmed before the packing test, so the stride silently becomes 8 and wrong pages are
@@ -42,8 +42,6 @@ from typing import Any
 
 import torch
 
-from difftest import gpus
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.pa_decode_gluon_emulator import (
     DEFAULT_NUM_CUS,
     DEFAULT_REVISION,
@@ -51,11 +49,19 @@ from difftest.backends.pa_decode_gluon_emulator import (
     GluonEmulator,
     make_emulator,
 )
-from difftest.case import Case
-from difftest.dtypes import torch_dtype
-from difftest.fingerprint import aiter_commit
-from difftest.kernel_call import KernelCall, id_classes, kernel_call, length_classes, scale_class
-from difftest.registry import OptionSpec
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.kernel_call import (
+    KernelCall,
+    id_classes,
+    kernel_call,
+    length_classes,
+    scale_class,
+)
+from difftest.contract.registry import OptionSpec
+from difftest.machine import gpus
+from difftest.machine.fingerprint import aiter_commit
+from difftest.primitives.dtypes import torch_dtype
 
 GLUON_MODULE = "aiter.ops.triton.gluon.pa_decode_gluon"
 PAGES_PER_SIDE = 8

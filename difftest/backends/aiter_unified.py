@@ -31,8 +31,6 @@ from typing import Any
 
 import torch
 
-from difftest import devices
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.aiter_triton import (
     ARCH_OF_FP8,
     COMPUTE_UNITS,
@@ -49,10 +47,18 @@ from difftest.backends.triton_unified import (
 )
 from difftest.backends.unified_call import unified_attention_arguments
 from difftest.backends.vllm_imports import triton_precision
-from difftest.case import Case
-from difftest.dtypes import torch_dtype
-from difftest.kernel_call import KernelCall, id_classes, kernel_call, length_classes, scale_class
-from difftest.sparse_table import kernel_sequences
+from difftest.case.selection import kernel_sequences
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.kernel_call import (
+    KernelCall,
+    id_classes,
+    kernel_call,
+    length_classes,
+    scale_class,
+)
+from difftest.machine import devices
+from difftest.primitives.dtypes import torch_dtype
 
 KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
                 "ops/triton/unified_attention.py")

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
-from difftest.case import Case
-from difftest.graphs import GraphCache
-from difftest.inputs import Segments
-from difftest.tolerance import Reference
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.tolerance import Reference
+from difftest.inputs.case_data import Segments
+from difftest.primitives.cuda_graphs import GraphCache
 
 if TYPE_CHECKING:
     from difftest.backends._reference_triton import Stored

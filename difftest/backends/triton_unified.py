@@ -39,8 +39,6 @@ from typing import Any
 
 import torch
 
-from difftest import devices
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.unified_call import unified_attention_arguments
 from difftest.backends.vllm_arch import arch_note, arch_of, record_launches
 from difftest.backends.vllm_imports import (
@@ -50,10 +48,12 @@ from difftest.backends.vllm_imports import (
     vllm_version,
 )
 from difftest.backends.vllm_release import chosen_release, resolve
-from difftest.case import Case
-from difftest.dtypes import dtype_name
-from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
-from difftest.sparse_table import kernel_sequences, unified_query_blocks
+from difftest.case.selection import kernel_sequences, unified_query_blocks
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.machine import devices
+from difftest.primitives.dtypes import dtype_name
 
 KERNEL_FILES = ("v1/attention/ops/triton_unified_attention.py",
                 "attention/ops/triton_unified_attention.py")
@@ -72,12 +72,12 @@ INTERPRETER_FP8_QUERY_FINDING = (
 )
 MAX_3D_QUERY_LEN = 8  # vLLM 0.33.0's bound on max_seqlen_q for the 3-D kernel
 M3 = "MiniMax-M3's sparse decode"
-MODE_OFF = (f"{M3} keeps this mode off; the kernel modes (difftest/cases/modes.py) switch it "
+MODE_OFF = (f"{M3} keeps this mode off; the kernel modes (difftest/generation/modes.py) switch it "
             "on")
 TWO_D = ("None without split-K scratch (the 2-D kernel, as MiniMax-M3's decode); the split-K "
          "mode hands over scratch so vLLM picks 2-D or 3-D by shape")
 SPARSE_GEOMETRY = ("the sparse family keeps MiniMax-M3's geometry (head dim 128, 16-token pages, "
-                   "one KV head); the dense family (difftest/cases/dense.py, one example per "
+                   "one KV head); the dense family (difftest/generation/dense.py, one example per "
                    "five) varies it")
 FIXED = {  # why a parameter of unified_attention does not vary (values still shown)
     "causal": "the sparse table ends each row at its own token; over a query_lens sequence "

@@ -2,7 +2,7 @@
 
 vLLM's Triton ``unified_attention`` and AITER's (a fork of it) take the same arguments: the
 queries (fp8 ones as the stored fp8 values), the K/V views, one sequence per
-:func:`difftest.sparse_table.kernel_sequences` entry with its last row's block table and
+:func:`difftest.case.selection.kernel_sequences` entry with its last row's block table and
 context, the kernel modes and the descales.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from difftest import devices
-from difftest.backend import RunInputs
-from difftest.dtypes import torch_dtype
-from difftest.sparse_table import kernel_sequences
+from difftest.case.selection import kernel_sequences
+from difftest.contract.backend import RunInputs
+from difftest.machine import devices
+from difftest.primitives.dtypes import torch_dtype
 
 
 def unified_attention_arguments(inputs: RunInputs, views: Any) -> dict[str, Any]:
@@ -29,7 +29,7 @@ def unified_attention_arguments(inputs: RunInputs, views: Any) -> dict[str, Any]
         torch.tensor([first + n - 1 for first, n in seqs], dtype=torch.long), table.device)
     lengths = torch.tensor([0] + [n for _, n in seqs], dtype=torch.int32)
     query = inputs.data.query
-    if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs.py)
+    if case.q_scale:  # the stored fp8 values, exactly (difftest/inputs/case_data.py)
         query = (query / case.q_scale).to(torch_dtype(case.kv_dtype))
     k_scale, v_scale = inputs.scales()
     fp8 = case.is_fp8

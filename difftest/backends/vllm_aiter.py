@@ -15,9 +15,10 @@ flavour as for ``aiter-gluon@emulated``. Declared capabilities are those of
 :mod:`difftest.backends.aiter_gluon`, and one of vLLM's builder: a row that selects no lane of
 its own block and whose valid lanes (duplicates counted) hold more tokens than its causal
 length gets the causal length as its context, which cuts duplicated blocks short where the
-declared semantics attends every copy (finding F14, :func:`difftest.sparse_table.aiter_table_rows`;
-vLLM assumes the indexer selects each row's own block). A case with such a row is
-unsupported unless the option ``irregular=accept`` forces it through (then it disagrees).
+declared semantics attends every copy (finding F14,
+:func:`difftest.case.selection.aiter_table_rows`; vLLM assumes the indexer selects each row's own
+block). A case with such a row is unsupported unless the option ``irregular=accept`` forces it
+through (then it disagrees).
 
 ``vllm-aiter@emulated[vllm=0.34.0]`` (or ``vllm=/path/to/tree``, or ``$DIFFTEST_VLLM``) runs
 that release's ``amd/ops/sparse_pa.py`` instead of the venv's
@@ -31,7 +32,6 @@ from collections.abc import Mapping
 
 import torch
 
-from difftest.backend import Availability, EmptyRowOutput, RunInputs
 from difftest.backends.aiter_gluon import (
     EMULATED_OPTIONS,
     GluonCaller,
@@ -50,11 +50,12 @@ from difftest.backends.vllm_imports import (
 )
 from difftest.backends.vllm_release import chosen_release
 from difftest.backends.vllm_triton_sparse import sparse_decode_labels
-from difftest.case import Case
-from difftest.dtypes import torch_dtype
-from difftest.kernel_call import kernel_call
-from difftest.registry import OptionSpec
-from difftest.sparse_table import aiter_table_differs, selection_is_canonical
+from difftest.case.selection import aiter_table_differs, selection_is_canonical
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, RunInputs
+from difftest.contract.kernel_call import kernel_call
+from difftest.contract.registry import OptionSpec
+from difftest.primitives.dtypes import torch_dtype
 
 KERNEL_FILE = "models/minimax_m3/amd/ops/sparse_pa.py"
 IRREGULAR = {"irregular": ("refuse", "accept")}

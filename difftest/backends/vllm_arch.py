@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from difftest import devices
+from difftest.machine import devices
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class OnceLogger:
 
 class LaunchRecorder:
     """A ``@triton.jit`` kernel of an arch-emulated module whose launches are counted with
-    their launch parameters (:func:`difftest.reach.note_launch`), then run unchanged."""
+    their launch parameters (:func:`difftest.contract.launches.note_launch`), then run unchanged."""
 
     def __init__(self, kernel: Any, module: str, name: str) -> None:
         self.kernel, self.module, self.name = kernel, module, name
@@ -191,7 +191,7 @@ class LaunchRecorder:
         launch = self.kernel[grid]
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            from difftest.reach import note_launch
+            from difftest.contract.launches import note_launch
 
             note_launch(self.module, self.name, kwargs)
             self.last = kwargs

@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from difftest import devices
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.vllm_imports import (
     import_vllm_kernel,
     triton_availability,
     vllm_version,
 )
 from difftest.backends.vllm_release import chosen_release, release_option
-from difftest.case import Case
-from difftest.dtypes import torch_dtype
-from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.machine import devices
+from difftest.primitives.dtypes import torch_dtype
 
 KERNEL_FILE = "v1/attention/ops/triton_decode_attention.py"
 MODULE = "vllm.v1.attention.ops.triton_decode_attention"
@@ -49,7 +49,7 @@ INTERPRETER_BF16_FINDING = (
     "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
     "bfloat16 runs on GPUs")
 FIXED = {
-    "page_size": "the framework's page-16 views (difftest/case.py validate holds the page "
+    "page_size": "the framework's page-16 views (difftest/case/spec.py validate holds the page "
                  "size)",
     "is_mla": "MiniMax-M3 is not MLA: K and V are separate views (left at its default)",
     "lse": "float32 [rows, heads] scratch the adapter allocates (an output of the kernel)",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from difftest import devices
-from difftest.backend import Availability, Precision
-from difftest.case import Case
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, Precision
+from difftest.machine import devices
 
 _PACKAGES = (
     "vllm.models.minimax_m3",

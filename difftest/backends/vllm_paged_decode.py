@@ -37,8 +37,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from difftest import devices
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.vllm_arch import OnceLogger, arch_note, arch_of, record_launches
 from difftest.backends.vllm_imports import (
     import_vllm_kernel,
@@ -48,10 +46,12 @@ from difftest.backends.vllm_imports import (
     vllm_version,
 )
 from difftest.backends.vllm_release import Release, chosen_release, resolve
-from difftest.case import Case
-from difftest.dtypes import torch_dtype
-from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
-from difftest.sparse_table import build_rows
+from difftest.case.selection import build_rows
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.machine import devices
+from difftest.primitives.dtypes import torch_dtype
 
 KERNEL_FILE = "v1/attention/ops/chunked_prefill_paged_decode.py"
 MODULE = "vllm.v1.attention.ops.chunked_prefill_paged_decode"

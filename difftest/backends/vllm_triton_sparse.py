@@ -12,11 +12,11 @@ builder. Native on a GPU; interpreted on the CPU.
 Its documented quirks are declared, never hidden (docs/findings.md F3-F6):
 
 * non-canonical selections (``-1`` before valid lanes, duplicates, blocks past the causal
-  limit) run and are judged against the declared semantics (:mod:`difftest.sparse_table`),
+  limit) run and are judged against the declared semantics (:mod:`difftest.case.selection`),
   except where its reading of the lanes is known to differ from it: it scans only the first
   ``min(topk, cdiv(kv_len, 128))`` lanes (a valid entry after a -1 or a future block can
   fall outside them) and counts a duplicated tail twice (finding F4). A case where that
-  changes what some row attends (:func:`~difftest.sparse_table.portable_reading_differs`)
+  changes what some row attends (:func:`~difftest.case.selection.portable_reading_differs`)
   is unsupported unless the option ``irregular=accept`` forces it through
   (``vllm-triton-sparse[irregular=accept]``, which then disagrees);
 * bfloat16 queries are miscomputed by Triton's interpreter: unsupported on the CPU unless
@@ -41,8 +41,6 @@ from typing import Any
 
 import torch
 
-from difftest import devices
-from difftest.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.backends.vllm_imports import (
     import_minimax_m3,
     kernel_availability,
@@ -53,11 +51,13 @@ from difftest.backends.vllm_imports import (
     vllm_version,
 )
 from difftest.backends.vllm_release import chosen_release
-from difftest.case import Case
-from difftest.dtypes import torch_dtype
-from difftest.kernel_call import id_classes, kernel_call, length_classes, scale_class
-from difftest.registry import OptionSpec
-from difftest.sparse_table import portable_reading_differs, selection_is_canonical
+from difftest.case.selection import portable_reading_differs, selection_is_canonical
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.contract.registry import OptionSpec
+from difftest.machine import devices
+from difftest.primitives.dtypes import torch_dtype
 
 IRREGULAR_FINDING = (
     "non-canonical selection that minimax_m3_sparse_attn_decode reads differently from the "

@@ -1,1 +1,0 @@
-"""Case generation: Hypothesis strategies and the pinned regression corpus."""

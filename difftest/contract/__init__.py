@@ -1,0 +1,2 @@
+"""Between cases and backends: the backend protocol, kernel-call statements, tolerances, the
+comparison, backends by name."""

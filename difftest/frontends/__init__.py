@@ -1,0 +1,1 @@
+"""Front ends other than the CLI entry: the active pytest plugin."""

@@ -1,0 +1,1 @@
+"""Reading results: diagnosis of a disagreement, known kernel bugs, the parameter audit."""

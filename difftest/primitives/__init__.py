@@ -1,0 +1,1 @@
+"""Numbers, random streams, strict JSON files, signals, CUDA-graph replay: no difftest imports."""

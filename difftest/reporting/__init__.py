@@ -1,0 +1,1 @@
+"""The run report, the bump gate between two reports, plots."""

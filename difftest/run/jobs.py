@@ -1,0 +1,250 @@
+"""``difftest run --jobs N``: the case set split across N local processes, their reports
+joined into one.
+
+On a machine with GPUs each job is pinned to one GPU as the pytest-xdist workers are
+(:func:`job_environments`, :func:`difftest.machine.pinning.assign`: round-robin within the mask the
+runner set), and ``--jobs auto`` runs one job per visible GPU. On the CPU,
+Triton's interpreter and the float64 reference run in one Python thread, so one process
+uses one core. Each job is ``difftest run`` with the same options plus ``--job K/N``: it
+builds the same case set (the corpus, the generated cases, the shard) and walks it in order,
+running each case it claims first (:func:`claimed`), so the jobs share the cases as they
+free up (a static split left one job 8 s behind the other on the main job); it writes
+pending files to the shared artifacts directory as any run does.
+
+This process relays each job's lines prefixed ``[job K/N]``, turns the pending case of a job
+that died into a crash artifact (as the next run would), and merges the jobs' reports with
+:func:`difftest.run.shard.merge_reports`: the report is the one a single process writes, but for
+timings, ``config.jobs`` and ``merged_from`` (the cases each job ran).
+
+Nothing a job finished is lost when it dies: each job appends every record to
+``<its report>.records`` as the case ends, and the parent takes the records of a job that
+wrote no report from there. The jobs import the parent's ``difftest`` (``PYTHONSAFEPATH``, its
+directory first on ``PYTHONPATH``), never one in the current directory, and end with the
+parent (``PR_SET_PDEATHSIG``: SIGTERM, on Linux). Their directory lives under the artifacts
+(``jobs/<pid>.*``); one whose parent died is removed by the next ``--jobs`` run. An
+interrupt (SIGINT, SIGTERM) reaches every job, each writes its partial report, and the
+parent merges them and says which signal stopped the run.
+
+Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread for torch and for
+numpy's BLAS (whose threads otherwise spin against the other jobs: the README's main job
+took 61.6 s with two jobs at the default threads, 43.6 s with one each). The BLAS thread
+count changes the bits of the interpreter's ``tl.dot`` (vllm-triton-sparse's outputs in 2 of
+22 cases; docs/findings.md F19), so a job's results equal those of one process run with the
+same ``OMP_NUM_THREADS``; the fingerprint records it and a replay shows it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from difftest.machine import pinning
+from difftest.machine.fingerprint import fingerprint
+from difftest.primitives.interrupts import Interrupted
+from difftest.primitives.jsonfile import JSONFileError, loads
+from difftest.reporting.report import build_report
+from difftest.results.artifacts import ArtifactStore, pid_alive, pid_domain
+from difftest.results.records import CaseRecord, RecordError
+from difftest.run.shard import merge_reports
+
+Run = TypeVar("Run")
+PARENT_ENV = "DIFFTEST_JOBS_PARENT"  # a job's parent's pid
+MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many (each job holds torch and vLLM)
+
+
+def auto_jobs() -> int:
+    """The jobs ``--jobs auto`` runs on the CPU: one per core, at most :data:`MAX_AUTO_JOBS`."""
+    return max(1, min(os.cpu_count() or 1, MAX_AUTO_JOBS))
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> int:
+    """The GPUs jobs can be pinned to: those the drivers report (or ``DIFFTEST_FAKE_GPUS``)
+    within the runner's mask, counted without starting a GPU runtime."""
+    from difftest.machine.gpus import visible_gpus as read_mask
+
+    vendor, physical = pinning.detect(environ)
+    return len(read_mask(pinning.runner_mask(environ), physical, vendor).entries)
+
+
+def job_environments(jobs: int, device: str, environ: dict[str, str] | None = None
+                     ) -> list[dict[str, str]]:
+    """The GPU visibility variables of each of ``jobs`` jobs: job ``k`` pinned to its own GPU
+    (round-robin when jobs outnumber GPUs) within the runner's mask, as the xdist workers are;
+    empty dicts on the CPU. :class:`difftest.machine.pinning.PinningError` on a mask that cannot be
+    honoured."""
+    vendor, physical = pinning.detect(environ)
+    mask = pinning.runner_mask(environ)
+    return [pinning.assign(k, jobs, mask, physical, vendor, device) for k in range(jobs)]
+
+
+def claimed(runs: Iterable[Run], claims: Path) -> Iterator[Run]:
+    """The runs this job claims, lazily, each just before it runs: the first job to create
+    ``claims/<position>`` (exclusively) runs it, so the jobs share the cases as they free up."""
+    for position, run in enumerate(runs):
+        try:
+            os.close(os.open(claims / str(position), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        yield run
+
+
+@dataclass
+class JobsOutcome:
+    """What the jobs left: the merged report (None if no job wrote one and none finished a
+    case), the crash records of jobs that died, what went wrong, and the signal that
+    interrupted the run (None if none did)."""
+
+    report: dict[str, Any] | None
+    crashes: list[CaseRecord]
+    problems: list[str]
+    interrupted: Interrupted | None = None
+    in_flight: list[dict[str, Any]] = field(default_factory=list)  # the jobs' stopped cases
+
+
+def run_jobs(options: Sequence[str], jobs: int, artifacts: str,
+             gpu_envs: Sequence[dict[str, str]] = ()) -> JobsOutcome:
+    """Run ``difftest run <options>`` as ``jobs`` processes, job ``k`` with the visibility
+    variables ``gpu_envs[k]`` (:func:`job_environments`; none on the CPU), and join what they
+    did."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONSAFEPATH"] = "1"  # the current directory's difftest must not shadow ours
+    ours = str(Path(__file__).resolve().parents[2])  # the directory holding difftest/
+    env["PYTHONPATH"] = os.pathsep.join([ours, *filter(None, [env.get("PYTHONPATH")])])
+    env[PARENT_ENV] = str(os.getpid())
+    envs = [env | (dict(gpu_envs[k]) if k < len(gpu_envs) else {}) for k in range(jobs)]
+    problems: list[str] = []
+    interrupted: Interrupted | None = None
+    root = Path(artifacts) / "jobs"
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_orphans(root)
+    with tempfile.TemporaryDirectory(prefix=f"{os.getpid()}.", dir=root) as tmp:
+        (Path(tmp) / "owner").write_text(pid_domain())
+        paths = [Path(tmp) / f"job-{k}.json" for k in range(1, jobs + 1)]
+        claims = Path(tmp) / "claims"
+        claims.mkdir()
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "difftest.cli", "run", *options, "--job", f"{k}/{jobs}",
+             "--claims", str(claims), "--report", str(path)], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=envs[k - 1])
+            for k, path in enumerate(paths, 1)]
+        relays = [threading.Thread(target=_relay, args=(stream, out, f"[job {k}/{jobs}] "))
+                  for k, proc in enumerate(procs, 1)
+                  for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for relay in relays:
+            relay.start()
+        try:
+            for relay in relays:
+                relay.join()
+        except Interrupted as exc:  # the jobs end their cases as interrupted, then report
+            interrupted = exc
+            _stop(procs, exc.signum)
+            for relay in relays:
+                relay.join()
+        dead = set()
+        for k, proc in enumerate(procs, 1):
+            status = proc.wait()
+            if status in (0, 1) or (interrupted and status == interrupted.exit_status):
+                continue
+            dead.add(proc.pid)
+            problems.append(f"job {k}/{jobs} died (exit status {status}) in the case it left "
+                            "pending; the cases it had not claimed went to the other jobs, "
+                            "while any lived")
+        crashes = ArtifactStore(artifacts).recover_crashes(
+            "found by difftest run --jobs when its job died", dead) if dead else []
+        reports = [(f"job {k}/{jobs}", _read(path)) for k, path in enumerate(paths, 1)
+                   if path.is_file()]
+        salvaged = [record for path in paths if not path.is_file()
+                    for record in _finished(path)]
+    if not reports and not salvaged:
+        return JobsOutcome(None, crashes, problems, interrupted)
+    in_flight = [case for _, report in reports
+                 for case in (report["config"].pop("interrupted", None) or {}).get(
+                     "in_flight", [])]
+    # the jobs share one config, so the only warnings are of --shard's other shards missing
+    merged = merge_reports(reports)[0] if reports else None
+    if merged is not None:
+        known = {case["case_id"] for case in merged["cases"]}
+        merged["cases"] += [r.to_dict() for r in salvaged if r.case_id not in known]
+        merged["cases"].sort(key=lambda case: case["case_id"])
+    elif salvaged:
+        merged = build_report(salvaged, {}, {"runner": "difftest run"}, fingerprint())
+    if salvaged:
+        problems.append(f"{len(salvaged)} case(s) finished by jobs that wrote no report were "
+                        "taken from their records")
+    return JobsOutcome(merged, crashes, problems, interrupted, in_flight)
+
+
+def _finished(report: Path) -> list[CaseRecord]:
+    """The records a job appended as its cases ended (a killed job's last line may be cut)."""
+    lines = Path(f"{report}.records")
+    if not lines.is_file():
+        return []
+    records = []
+    for n, line in enumerate(lines.read_text().splitlines(), start=1):
+        try:
+            records.append(CaseRecord.from_dict(loads(line, f"{lines} line {n}"), ""))
+        except (JSONFileError, RecordError):
+            break  # cut by the kill: the cases before it are whole
+    return records
+
+
+def _stop(procs: Sequence[subprocess.Popen[str]], signum: int, grace: float = 60.0) -> None:
+    """Pass ``signum`` on to every live job, then wait ``grace`` seconds for each to write its
+    partial report before killing it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def end_with_parent() -> None:
+    """In a job, before its first case: be sent SIGTERM when the parent dies (Linux
+    ``PR_SET_PDEATHSIG``; elsewhere a killed parent leaves its jobs to finish on their own),
+    and stop now if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.environ.get(PARENT_ENV) not in (None, str(os.getppid())):
+        raise Interrupted(signal.SIGTERM)
+
+
+def _remove_orphans(root: Path) -> None:
+    """Remove the job directories of ``--jobs`` runs that died (their pid gone, here)."""
+    domain = pid_domain()
+    for directory in root.iterdir():
+        pid = directory.name.partition(".")[0]
+        try:
+            owner = (directory / "owner").read_text()
+        except OSError:
+            continue
+        if pid.isdigit() and owner == domain and not pid_alive(int(pid)):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    from difftest.reporting.report import read_report
+
+    return read_report(path)
+
+
+def _relay(stream: IO[str] | None, out: IO[str], prefix: str) -> None:
+    assert stream is not None
+    for line in stream:
+        out.write(prefix + line)
+        out.flush()

@@ -1,0 +1,32 @@
+"""An earlier report's case set, to run again: ``difftest run --cases-from baseline.json``
+runs exactly the baseline's cases (corpus, generated and fitted ones), so a candidate's
+report has the same cases whatever its generation would draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from difftest.case.spec import Case, CaseError
+from difftest.reporting.report import ReportError, case_records, read_report
+
+
+def recorded_runs(path: Path | str, backends: Sequence[str]
+                  ) -> list[tuple[Case, tuple[str, ...] | None]]:
+    """Every case of the report at ``path``, in its order, with the backends of ``backends``
+    that ran it there (a fitted variant runs on those only); ``None`` (every backend of this
+    run) where the report names none of them, as when the release is in the name
+    (``triton-unified[vllm=0.33.0]`` against ``[vllm=0.34.0]``).
+
+    :class:`~difftest.reporting.report.ReportError` names the file and the entry it cannot read.
+    """
+    runs: list[tuple[Case, tuple[str, ...] | None]] = []
+    for i, record in enumerate(case_records(read_report(path))):
+        try:
+            case = Case.from_dict(record.case)
+        except (CaseError, TypeError, ValueError) as exc:
+            raise ReportError(f"{path}: cases[{i}].case: {exc}") from exc
+        names = tuple(r.backend for r in record.results if r.backend in backends)
+        runs.append((case, names or None))
+    return runs
