@@ -23,7 +23,7 @@ import torch
 
 from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case.selection import SparseRow, build_rows
+from difftest.case.selection import SparseRow, before_window, build_rows
 from difftest.case.spec import Case
 from difftest.contract.backend import Backend, Precision
 from difftest.inputs.kv_cache import CacheViews
@@ -49,7 +49,8 @@ def _mtp_rows(case: Case) -> list[int]:
 
 
 def _packed(case: Case) -> bool:
-    return case.kv_layout == "LBHNC"
+    """Whether the case's layout holds K and V sides in one plane of page ids (LBHNC)."""
+    return case.layout.v_page_offset(case) > 0
 
 
 def _unselected_page(case: Case) -> tuple[int, int] | None:
@@ -72,9 +73,8 @@ def _unselected_page(case: Case) -> tuple[int, int] | None:
 
 
 def _window_cuts(case: Case) -> bool:
-    """Whether the sliding window leaves out a token some row attends."""
-    return bool(case.sliding_window) and any(
-        row.context_len > case.sliding_window for row in build_rows(case))
+    """Whether the sliding window leaves out a token of some row's context."""
+    return any(before_window(case, row) for row in build_rows(case))
 
 
 # ----- page-table bugs ---------------------------------------------------------------------

@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from difftest.backends.vllm_arch import OnceLogger, arch_note, arch_of, record_launches
@@ -46,7 +45,7 @@ from difftest.backends.vllm_imports import (
     vllm_version,
 )
 from difftest.backends.vllm_release import Release, chosen_release, resolve
-from difftest.case.selection import build_rows
+from difftest.case.selection import before_window, build_rows, read_slots
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
@@ -317,11 +316,7 @@ def loads_unread_slots_outside_the_window(case: Case, versions: Mapping[str, str
         return False
     if case.is_fp8 and versions.get("triton_interpret") == "True":
         return False
-    read, outside = [], []
-    for row in build_rows(case):
-        ids = np.concatenate([seg.physical_block * case.block_size + np.arange(seg.tokens)
-                              for seg in row.segments] or [np.zeros(0, dtype=np.int64)])
-        cut = max(len(ids) - case.sliding_window, 0)
-        outside.append(ids[:cut])
-        read.append(ids[cut:])
-    return bool(np.isin(np.concatenate(outside), np.concatenate(read), invert=True).any())
+    rows = build_rows(case)
+    read = read_slots(case, rows)
+    return any(not read.issuperset(span.slots(case.block_size))
+               for row in rows for span in before_window(case, row))
