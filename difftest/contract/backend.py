@@ -55,13 +55,16 @@ class Precision:
     products; :meth:`difftest.contract.tolerance.Tolerance.of`); ``probabilities``:
     what the softmax weights are rounded to before the PV product; ``output``: the stored
     output dtype; ``rounded_products``: each product ``q_i k_i`` of a logit is rounded to
-    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot).
+    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot);
+    ``flushes_subnormal_outputs``: an output below ``output``'s normal range may be stored as
+    zero (flush-to-zero, e.g. a GPU's FTZ mode on the last stage).
     """
 
     operands: str
     probabilities: str
     output: str
     rounded_products: bool = False
+    flushes_subnormal_outputs: bool = False
 
 
 @dataclass(frozen=True)
