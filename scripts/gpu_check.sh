@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report);
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
+# reference: the reference's fused Triton kernels natively (their masks are each segment's
+#        attended tokens, difftest.case.selection) against the torch formulation, and the
+#        recorded inputs and verdicts bit for bit (a subset of suite, quick);
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI).
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -37,6 +40,10 @@ if [ "$part" = fp ] || [ "$part" = all ]; then
   step fp "$py" -m benchmarks.false_positives --device cuda --examples 2000 \
     --parts 16 --workers 4 --families sparse,dense --profiles derandomized,dev \
     --json "$out/fp.json"
+fi
+if [ "$part" = reference ]; then
+  step reference "$py" -m pytest -q -rs -p no:cacheprovider tests/test_reference_fast.py \
+    tests/test_reference_magnitudes.py tests/test_bit_identical.py
 fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider
