@@ -3,6 +3,7 @@
 backends  lists what this machine can run, and why a backend cannot
 run       runs the pinned corpus plus a deterministic generated case set, ends in its verdict
 repro     replays one case from a failure directory or case file, against its recording
+export    writes a failure's kernel call as a script that runs without difftest
 promote   pins a case into the regression corpus
 merge     joins shard reports; gate compares a candidate report with a baseline
 audit     prints a report's parameter audit; plot draws a report
@@ -516,6 +517,25 @@ def cmd_repro(args: argparse.Namespace) -> int:
                   args.reference, args.artifacts, args.report)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a failure's kernel call as a script that needs only torch and the kernel's
+    package."""
+    from difftest.run.export import ExportError, export
+
+    try:
+        exported = export(Path(args.path), Path(args.output) if args.output else None,
+                          args.backend, args.plugin, _device(args.device))
+    except ExportError as exc:
+        print(f"difftest export: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    for note in exported.notes:
+        print(f"note: {note}", file=sys.stderr)
+    bug = f" (known bug {exported.known_bug})" if exported.known_bug else ""
+    print(f"wrote {exported.script}" + (f" and {exported.tensors}" if exported.tensors else "")
+          + f": {exported.backend}'s kernel call{bug}; run it with: python {exported.script}")
+    return 0
+
+
 def cmd_promote(args: argparse.Namespace) -> int:
     """Pin a case (case JSON or artifact directory) into the regression corpus."""
     from difftest.case.casefile import read_case
@@ -643,6 +663,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated backends (default: those of the recording)")
     p.add_argument("--report", type=_output_file, help="write the replay as a JSON report here")
     p.set_defaults(func=cmd_repro)
+
+    p = command("export", "write a failure's kernel call as a script that runs without "
+                "difftest (torch and the kernel's package only), for an upstream issue or "
+                "test suite", f"{BACKEND_SYNTAX}\n\n{EXIT_CODES}")
+    p.add_argument("path", help="failure directory (or case JSON, with --backend)")
+    p.add_argument("-o", "--output", type=_output_file,
+                   help="the script's path (default: test_<kernel>_<case id>.py in the "
+                   "failure directory); its tensors go beside it, as .pt, when large")
+    p.add_argument("--backend", metavar="NAME",
+                   help="the backend whose call is exported (default: the one that failed)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE:ATTR|FILE.py",
+                   help="load extra backends (repeatable)")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="where the call is recorded (auto: a GPU if one is visible)")
+    p.set_defaults(func=cmd_export)
 
     p = command("promote", "pin a case into the regression corpus")
     p.add_argument("path", help="artifact directory or case JSON")

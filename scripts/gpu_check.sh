@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|export|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report);
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
-# suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI).
+# suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI);
+# export: F28's failure recorded natively, exported (`difftest export`), and its script run
+#        natively with `python -S` (no difftest on its path): it must exit 1.
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|export|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -40,5 +42,18 @@ if [ "$part" = fp ] || [ "$part" = all ]; then
 fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider
+fi
+if [ "$part" = export ] || [ "$part" = all ]; then
+  f28=$("$py" -c 'from difftest.case.spec import Case
+case = Case(num_blocks=6, seq_lens=(300, 200), block_tables=((2, 0, 5), (1, 3)),
+            selections=((0, 1, 2), (0, 1, -1)), num_q_heads=16, seed=7, sliding_window=40,
+            canary=True)
+open("'"$out"'/f28.json", "w").write(case.to_json())
+print(case.case_id)')
+  step export-record "$py" -m difftest.cli export "$out/f28.json" --backend vllm-paged-decode \
+    --device cuda -o "$out/export/test_f28.py"
+  site=$("$py" -c 'import sys; print(":".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))')
+  step export-script bash -c "cd '$out/export' && ! PYTHONPATH='$site' '$py' -S test_f28.py --device cuda"
+  echo "export: case $f28" >>"$out/summary.txt"
 fi
 exit "$status"

@@ -40,6 +40,7 @@ import torch
 from difftest.backends.vllm_arch import OnceLogger, arch_note, arch_of, record_launches
 from difftest.backends.vllm_imports import (
     import_vllm_kernel,
+    load_vllm_kernel,
     triton_availability,
     triton_precision,
     vllm_location,
@@ -49,6 +50,7 @@ from difftest.backends.vllm_release import Release, chosen_release, resolve
 from difftest.case.selection import build_rows
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.exported_call import ExportedCall, KernelImport
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.machine import devices
 from difftest.primitives.dtypes import torch_dtype
@@ -273,6 +275,8 @@ class VllmPagedDecode:
         if interleaved:
             arguments["INTERLEAVED_V_PACK_FACTOR"] = x
         if self.arch is None:
+            inputs.export_call(ExportedCall(self._kernel_import(), "kernel_paged_attention_2d",
+                                            arguments, (case.total_q, nkv), "output_ptr"))
             kernel[(case.total_q, nkv)](**arguments)
         else:
             arguments = self._through_the_wrapper(inputs, arguments)
@@ -286,6 +290,13 @@ class VllmPagedDecode:
             "v_scale": scale_class(case.v_scale if case.is_fp8 else None),
         }, fixed=FIXED, sizes={"num_kv_heads": (nkv, "key_cache.shape[1], grid[1]")}))
         return out
+
+    def _kernel_import(self) -> KernelImport:
+        """How a script outside difftest gets this ``kernel_paged_attention_2d``: from the
+        installed vLLM, or from a tree given to it (the recorded one: this release's)."""
+        tree = str(self.release.package.parent) if self.release is not None else ""
+        return KernelImport("vllm", load_vllm_kernel,
+                            {"module": MODULE, "name": "kernel_paged_attention_2d"}, tree)
 
     def _through_the_wrapper(self, inputs: RunInputs, arguments: dict[str, Any]
                              ) -> dict[str, Any]:
