@@ -348,6 +348,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     document = report.to_dict()
     if args.report:
         write_report(args.report, document)
+    if job is None:
+        missing = unavailable_asked(document["backends"], args.backends, args.optional)
+        _write_junit(args.junit, document, missing)
     if interrupted is not None:
         if job is None:
             print(f"difftest run: interrupted by {interrupted.name}: "
@@ -357,9 +360,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return interrupted.exit_status
     if job is not None:
         return 1 if report.failed else 0
-    missing = unavailable_asked(document["backends"], args.backends, args.optional)
     judgement = _print_closing(document, args.report, args.audit, missing)
     return 1 if report.earlier_crashes or missing or judgement.failed else 0
+
+
+def _write_junit(path: str | None, report: dict[str, Any], missing: Sequence[str] = ()
+                 ) -> None:
+    """Write ``report`` as JUnit XML to ``path`` (``--junit``), when given."""
+    if path:
+        from difftest.reporting.junit import write_junit
+
+        write_junit(path, report, missing)
 
 
 def _check_writable(args: argparse.Namespace) -> None:
@@ -367,8 +378,9 @@ def _check_writable(args: argparse.Namespace) -> None:
     (``OSError`` naming the path: exit 2)."""
     from difftest.primitives.jsonfile import check_writable
 
-    if args.report:
-        check_writable(args.report)
+    for path in (args.report, args.junit):
+        if path:
+            check_writable(path)
     check_writable(args.artifacts, directory=True)
 
 def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
@@ -474,18 +486,20 @@ def _run_jobs(args: argparse.Namespace) -> int:
     if earlier:
         report["earlier_crashes"] = report.get("earlier_crashes", []) + [
             c.to_dict() for c in earlier]
+    missing = unavailable_asked(report["backends"], args.backends, args.optional)
     if outcome.interrupted is not None:
         report["config"]["interrupted"] = {"signal": outcome.interrupted.name,
                                            "in_flight": outcome.in_flight}
         if args.report:
             write_report(args.report, report)
+        _write_junit(args.junit, report, missing)
         print(f"difftest run: interrupted by {outcome.interrupted.name}: "
               f"{len(report['cases'])} finished case(s) in a partial report "
               f"({args.report or 'not written: no --report'})", file=sys.stderr)
         return outcome.interrupted.exit_status
     if args.report:
         write_report(args.report, report)
-    missing = unavailable_asked(report["backends"], args.backends, args.optional)
+    _write_junit(args.junit, report, missing)
     judgement = _print_closing(report, args.report, args.audit, missing)
     return 1 if found or problems or missing or judgement.failed else 0
 
@@ -567,6 +581,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     write_report(args.output, merged)
+    _write_junit(args.junit, merged)
     print(summary(merged))
     print(f"merged {len(reports)} reports ({len(merged['cases'])} cases) into {args.output}")
     return 0
@@ -653,6 +668,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the lines run in the vllm package files (coverage.py), "
                    "for the gate's reach of a bump's changed code")
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
+    p.add_argument("--junit", type=_output_file, metavar="PATH",
+                   help="write JUnit XML here: a testcase per (case, backend), failures with "
+                   "their replay command, unsupported and unavailable skipped with the reason, "
+                   "known bugs skipped as known-bug")
     p.set_defaults(func=cmd_run)
 
     p = command("repro", "replay a failing case on the local backends",
@@ -692,6 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the merged report")
     p.add_argument("--force", action="store_true",
                    help="merge even when fingerprints, configs or backends differ")
+    p.add_argument("--junit", type=_output_file, metavar="PATH",
+                   help="also write the merged report as JUnit XML here")
     p.set_defaults(func=cmd_merge)
 
     p = command("gate", "fail if CANDIDATE regressed against BASELINE")
