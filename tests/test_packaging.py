@@ -73,6 +73,12 @@ def test_the_known_bugs_file_is_in_the_wheel(wheel: zipfile.ZipFile) -> None:
     assert packed == (ROOT / "difftest" / "judgement" / "expectations.json").read_bytes()
 
 
+def test_the_json_schemas_are_in_the_wheel(wheel: zipfile.ZipFile) -> None:
+    """An installed difftest ships the case and report schemas its docs point at."""
+    for path in ("difftest/case/case.schema.json", "difftest/reporting/report.schema.json"):
+        assert wheel.read(path) == (ROOT / path).read_bytes()
+
+
 def test_every_entry_point_names_a_module_in_the_wheel(wheel: zipfile.ZipFile) -> None:
     (entry_points,) = (n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt"))
     parser = ConfigParser()
