@@ -84,9 +84,9 @@ def schema_violations(path: Path) -> list[str]:
     kind = schema_kind(path)
     if VALIDATORS is None or kind is None:
         return []
-    from difftest.primitives.jsonfile import read_json
-
     from jsonschema.exceptions import best_match
+
+    from difftest.primitives.jsonfile import read_json
 
     document = read_json(path)
     # an error under anyOf (a field that may be null) is shown by its deepest cause
