@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|export|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|installed|export|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report);
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI);
+# installed: the installed differential suite, `pytest -n 4 --pyargs difftest.kernel_tests`,
+#        from a directory outside the checkout (one GPU per worker, JUnit and report kept);
 # export: F28's failure recorded natively, exported (`difftest export`), and its script run
 #        natively with `python -S` (no difftest on its path): it must exit 1.
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|export|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|installed|export|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -42,6 +44,12 @@ if [ "$part" = fp ] || [ "$part" = all ]; then
 fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider
+fi
+if [ "$part" = installed ] || [ "$part" = all ]; then
+  mkdir -p "$out/installed"
+  step installed bash -c "cd '$out/installed' && '$py' -m pytest -n 4 -q -rs -p no:cacheprovider \
+    --pyargs difftest.kernel_tests --difftest-search-budget 120 --junitxml suite.xml \
+    --difftest-report report.json"
 fi
 if [ "$part" = export ] || [ "$part" = all ]; then
   f28=$("$py" -c 'from difftest.case.spec import Case

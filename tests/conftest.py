@@ -64,7 +64,8 @@ def schema_kind(path: Path) -> str | None:
     from difftest.results.artifacts import read_results
 
     try:
-        head = path.read_text()[:4096]
+        with open(path, encoding="utf-8") as fh:
+            head = fh.read(4096)
     except (OSError, UnicodeDecodeError):
         return None
     readers = (("report", '"difftest.report/1"', read_report),

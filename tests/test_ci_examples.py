@@ -1,13 +1,14 @@
 """The copyable CI examples (examples/ci/): each validates against the published schema of its
-CI system (check-jsonschema's vendored GitHub workflow and Buildkite schemas, offline), both
-run the same difftest commands, and those commands run on the CPU as written, with a tiny
-case set: the baseline, the candidate on the baseline's cases, and a gate that passes."""
+CI system (check-jsonschema's vendored GitHub workflow and Buildkite schemas, offline; .ci/run
+installs it in a venv of its own and puts it on the PATH), both run the same difftest
+commands, and those commands run on the CPU as written, with a tiny case set: the baseline,
+the candidate on the baseline's cases, and a gate that passes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -21,16 +22,17 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "ci"
 GITHUB = EXAMPLES / "github-actions-bump-gate.yml"
 BUILDKITE = EXAMPLES / "buildkite-bump-gate.yml"
+CHECKER = shutil.which("check-jsonschema")
 needs_checker = pytest.mark.skipif(
-    importlib.util.find_spec("check_jsonschema") is None,
-    reason="check-jsonschema is not installed (scripts/setup.sh --test installs it; an "
-    "offline setup cannot)")
+    CHECKER is None, reason="check-jsonschema is not on the PATH (.ci/run installs it in a "
+    "venv of its own: pip install check-jsonschema; an offline CI cannot)")
 
 
 def check(path: Path, schema: str) -> subprocess.CompletedProcess[str]:
     """check-jsonschema against one of its vendored schemas (no network)."""
-    return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", schema,
-                           str(path)], capture_output=True, text=True, timeout=120, check=False)
+    assert CHECKER is not None
+    return subprocess.run([CHECKER, "--builtin-schema", schema, str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 @needs_checker
@@ -50,17 +52,11 @@ def test_each_example_validates_against_its_published_schema(path: Path, schema:
 
 
 def difftest_commands(path: Path) -> list[str]:
-    """The difftest command lines of an example, in the order its jobs or steps run them
-    (Buildkite's ``$$``, a variable left to the step's shell, read as ``$``)."""
-    yaml = pytest.importorskip("ruamel.yaml", reason="ruamel.yaml (check-jsonschema's) reads "
-                               "the examples")
-    document = yaml.YAML(typ="safe").load(path.read_text())
-    if "jobs" in document:  # GitHub Actions: the jobs in the order their needs give
-        order = sorted(document["jobs"], key=lambda job: bool(document["jobs"][job].get("needs")))
-        scripts = [step.get("run", "") for job in order for step in document["jobs"][job]["steps"]]
-    else:
-        scripts = [step.get("command", "") for step in document["steps"]]
-    lines = [line.strip().replace("$$", "$") for script in scripts for line in script.splitlines()]
+    """The difftest command lines of an example, in file order, which is the order its jobs
+    or steps run them (Buildkite's ``$$``, a variable left to the step's shell, read as
+    ``$``)."""
+    lines = [line.strip().removeprefix("run: ").removeprefix("command: ").replace("$$", "$")
+             for line in path.read_text().splitlines()]
     return [line for line in lines if line.startswith("difftest ")]
 
 
@@ -69,7 +65,7 @@ def test_both_examples_gate_with_the_same_commands() -> None:
     assert commands == difftest_commands(BUILDKITE)
     assert any("--cases-from baseline.json" in c and "--jobs auto" in c for c in commands)
     assert commands[-1] == "difftest gate baseline.json candidate.json"
-    assert sum("--junit" in c for c in commands) == 2
+    assert sum("--junit" in c for c in commands) == 2 and len(commands) == 5
 
 
 def test_the_commands_run_on_the_cpu_and_the_gate_passes(tmp_path: Path) -> None:

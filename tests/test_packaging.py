@@ -3,6 +3,7 @@ benchmarks/ or mutants/, the case corpus included, every entry point resolvable 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -126,7 +127,8 @@ def test_the_installed_suite_runs_from_the_wheel_without_a_checkout(
                            "no:cacheprovider", "--pyargs", "difftest.kernel_tests",
                            "--difftest-backends", "vllm-paged-decode,aiter-gluon",
                            "--difftest-optional", "aiter-gluon", "--difftest-device", "cpu",
-                           "--difftest-search-budget", "2", "--junitxml", "suite.xml"],
+                           "--difftest-search-budget", "2", "--junitxml", "suite.xml",
+                           "--difftest-report", "report.json"],
                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600,
                           check=False)
     output = done.stdout + done.stderr
@@ -142,3 +144,7 @@ def test_the_installed_suite_runs_from_the_wheel_without_a_checkout(
     assert int(suite.get("failures")) == int(suite.get("errors")) == 0
     assert len(cases) - len(skipped) >= 2  # passed: vllm-paged-decode ran
     assert "PASSED:" in output  # difftest's verdict line: the suite ran as difftest
+    # each xdist worker was activated when it started (pinned; none started it late)
+    report = json.loads((elsewhere / "report.json").read_text())
+    assert sorted(report["workers"]) == ["gw0", "gw1"]
+    assert all(w["device"] == "cpu" for w in report["workers"].values())

@@ -251,8 +251,9 @@ RECORDED = {_mapping(versions)}
 KERNEL_OPTIONS = {_mapping(call.source.options)}
 GRID = {call.grid!r}  # a Triton launch: kernel[GRID](**arguments); None: kernel(**arguments)
 OUTPUT = {call.output!r}  # the argument the kernel writes its output into
-# the call's other arguments, as passed; its tensors are in TENSORS["arguments"]:
+# the call's tensors (load_tensors()["arguments"]):
 {_tensor_comment(call)}
+# its other arguments, as passed:
 SCALARS = {_mapping(scalars)}
 # the reference's parameters (the case's)
 REFERENCE = {_mapping(reference)}
