@@ -27,6 +27,7 @@ that release's ``amd/ops/sparse_pa.py`` instead of the venv's
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Mapping
 
@@ -164,6 +165,16 @@ class VllmAiter(GluonCaller):
                          "vllm_loading": minimax_m3_loading()}
         return {**self._kernel_versions(), **versions}
 
+    def _aiter_for(self, case: Case) -> contextlib.AbstractContextManager[object]:
+        """What vLLM's ``from aiter ... import`` lines find during the call: the installed
+        AITER, or the emulator's fake modules."""
+        if not self.emulated:
+            return contextlib.nullcontext()
+        # shadow_real: where the real AITER is also installed, this backend still means the
+        # emulator; the fake modules are gone again when the call returns.
+        return installed_as_aiter(self.options["revision"], emulated_arch(case),
+                                  shadow_real=True)
+
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """``minimax_m3_sparse_attn_decode_aiter`` over every query row."""
         sparse_pa = self._sparse_pa()
@@ -178,14 +189,8 @@ class VllmAiter(GluonCaller):
                          seq_lens=inputs.seq_lens(), num_kv_heads=case.num_kv_heads,
                          sm_scale=case.softmax_scale, output=output, k_scale=k_scale,
                          v_scale=v_scale, decode_query_len=case.decode_query_len)
-        if not self.emulated:
+        with self._aiter_for(case):
             decode(**arguments)
-        else:
-            # shadow_real: where the real AITER is also installed, this backend still means
-            # the emulator; the fake modules are gone again when the call returns.
-            with installed_as_aiter(self.options["revision"], emulated_arch(case),
-                                    shadow_real=True):
-                decode(**arguments)
         pages = f"{case.kv_dtype} {case.kv_layout} {{}} pages"
         inputs.state(kernel_call(decode, arguments, labels={
             **sparse_decode_labels(case, arguments),
