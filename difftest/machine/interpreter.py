@@ -15,7 +15,7 @@ callee's patches (a module the launch did not patch, e.g. ``triton.language.core
 ``tl.sum``) are undone with the launch's own, before them: Triton leaves them in place, so
 after any interpreted launch ``triton.language.core``'s builtins were still the interpreter's,
 and a kernel compiled later in the process (:mod:`difftest.machine.triton_compile`) failed on
-them.
+them (finding F33).
 
 :func:`skip_dropped_overflow_checks`: the interpreter's options keep ``sanitize_overflow`` on,
 so every int32 add, sub and mul is evaluated a second time in int64 and turned into an
