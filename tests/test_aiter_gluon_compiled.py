@@ -338,4 +338,4 @@ def test_the_sweep_finds_no_launch_the_emulator_decodes_otherwise(trees, tmp_pat
     cases = json.loads(report.read_text())["cases"]
     details = [r["detail"] for c in cases for r in c["results"] if r["status"] == "error"]
     assert not [d for d in details if "LaunchMismatch" in d]
-    assert "new failure" not in done.stdout.splitlines()[-1], done.stdout[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:]  # every failure a known bug
