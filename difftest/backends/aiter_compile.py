@@ -49,13 +49,12 @@ class KernelCompileError(RuntimeError):
 @dataclass
 class RecordedLaunch:
     """One launch a launcher made: ``arguments`` by parameter name (defaults filled in),
-    ``constexprs`` the names of the compile-time ones, ``compiled`` Triton's compiled kernel
-    (``None`` for a call a stand-in took, e.g. AITER's C++ reduce)."""
+    ``compiled`` Triton's compiled kernel (``None`` for a call a stand-in took, e.g. AITER's
+    C++ reduce)."""
 
     kernel: str
     grid: tuple[int, ...]
     arguments: dict[str, Any]
-    constexprs: frozenset[str] = frozenset()
     compiled: Any = None
 
 
@@ -63,7 +62,6 @@ class RecordedLaunch:
 class LaunchRecorder:
     """The launches made inside one :func:`compiling` block, in order."""
 
-    answers: DeviceAnswers
     launches: list[RecordedLaunch] = field(default_factory=list)
 
     def record(self, launch: RecordedLaunch) -> None:
@@ -87,7 +85,7 @@ def compiling(answers: DeviceAnswers) -> Iterator[LaunchRecorder]:
     """Inside the block, kernel launches compile for ``answers.arch`` and are recorded."""
     from triton.runtime.jit import KernelInterface
 
-    recorder = LaunchRecorder(answers)
+    recorder = LaunchRecorder()
 
     def compile_only(kernel: Any, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> Any:
@@ -105,9 +103,8 @@ def compiling(answers: DeviceAnswers) -> Iterator[LaunchRecorder]:
                                          f"{answers.arch}: {said}") from failure
             sys.stderr.write(printed[0])
             shape = grid(arguments) if callable(grid) else grid
-            recorder.record(RecordedLaunch(
-                kernel.fn.__name__, tuple(int(n) for n in shape), arguments,
-                frozenset(p.name for p in kernel.params if p.is_constexpr), compiled))
+            recorder.record(RecordedLaunch(kernel.fn.__name__, tuple(int(n) for n in shape),
+                                           arguments, compiled))
             return compiled
         return launch
 
