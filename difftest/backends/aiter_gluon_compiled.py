@@ -25,7 +25,7 @@ imported), and ``install=full`` (the default) stands it in: its call is recorded
 with the C++ launcher's own refusals (1..64 partitions, fp32/fp16/bf16 tensors, as
 ``ImportError`` so the launcher falls back), not compiled (``hipcc``). ``install=triton-only``
 is ``AITER_TRITON_ONLY=1`` (or Windows) without FlyDSL: no C++ reduce, and the launcher's own
-fallback runs (finding F31 on v0.1.19.post1 to v0.1.20.post1).
+fallback runs (finding F32 on v0.1.19.post1 to v0.1.20.post1).
 
 Options: ``aiter=<tag, version or directory>`` (which tree, :func:`~.aiter_triton.chosen_source`),
 ``arch=gfx942|gfx950`` (default per case: the arch whose AITER fp8 type is the case's, gfx950
