@@ -12,32 +12,32 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import hypothesis
 import pytest
-from hypothesis import strategies as st
 
-from difftest.case.spec import Case
 from difftest.generation.dense import dense_cases
-from difftest.generation.generate import generated_cases
+from difftest.generation.generate import CaseStrategy, generated_cases
 from difftest.generation.strategies import cases
 
 RECORD = Path(__file__).with_name("test_generated_ids.json")
 SEEDS = (0, 1, 2)
 SPARSE, DENSE = 50, 10  # dense: one example per five sparse ones, as difftest run draws them
 # a narrowed strategy: the schedule's decisions its limits rule out are drawn instead
-NARROW = dict(max_topk=4, max_blocks=160, max_batch=2)
+NARROW: dict[str, Any] = dict(max_topk=4, max_blocks=160, max_batch=2)
 
 
-def _families() -> dict[str, tuple[int, st.SearchStrategy[Case]]]:
-    return {"sparse": (SPARSE, cases()), "dense": (DENSE, dense_cases()),
-            "narrow": (SPARSE // 2, cases(**NARROW))}  # type: ignore[arg-type]
+FAMILIES: dict[str, tuple[int, CaseStrategy, dict[str, Any]]] = {
+    "sparse": (SPARSE, cases, {}), "dense": (DENSE, dense_cases, {}),
+    "narrow": (SPARSE // 2, cases, NARROW)}
 
 
 def drawn_ids() -> dict[str, list[str]]:
-    """Per family and seed, the ids of ``generated_cases(count, seed, strategy)``."""
-    return {f"{family}-{seed}": [c.case_id for c in generated_cases(count, seed, strategy)]
-            for family, (count, strategy) in _families().items() for seed in SEEDS}
+    """Per family and seed, the ids of ``generated_cases(count, seed, strategy, **options)``."""
+    return {f"{family}-{seed}": [c.case_id for c in generated_cases(count, seed, strategy,
+                                                                    **options)]
+            for family, (count, strategy, options) in FAMILIES.items() for seed in SEEDS}
 
 
 def record(path: Path = RECORD) -> None:
