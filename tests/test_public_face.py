@@ -1,15 +1,20 @@
 """``difftest``'s public face: every exported name resolves to the object of its home module,
-and ``import difftest`` stays light (the pytest plugin loads it in every pytest run)."""
+is documented on the plug-in reference page, and ``import difftest`` stays light (the pytest
+plugin loads it in every pytest run)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import difftest
+
+PLUGINS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "plugins.md"
 
 PROBE = """
 import json, sys
@@ -41,3 +46,11 @@ def test_importing_difftest_imports_no_torch() -> None:
     assert seen["before"] == ["difftest"]
     assert seen["torch"]  # the protocol's module needs torch: the name really loaded it
 
+
+def test_the_plugin_reference_documents_exactly_the_public_face() -> None:
+    """docs/plugins.md's table of names is ``__all__``, and its code imports only from it."""
+    page = PLUGINS_PAGE.read_text()
+    table = page[page.index("| names | for |"):page.index("`import difftest` loads")]
+    assert sorted(re.findall(r"`(\w+)`", table)) == sorted(difftest.__all__)
+    imported = re.findall(r"^from (difftest[\w.]*) import", page, re.M)
+    assert imported and set(imported) == {"difftest"}
