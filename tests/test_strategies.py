@@ -204,7 +204,8 @@ def test_the_dense_family_takes_every_geometry_in_its_first_examples() -> None:
 
 def test_a_decision_the_limits_rule_out_is_drawn() -> None:
     """A stratum asking for top-k 16 and a cache past page id 2**16 under ``max_topk=4`` and
-    ``max_blocks=160`` draws both within the limits; an unknown decision is refused by name."""
+    ``max_blocks=160`` draws both within the limits; an unknown decision is refused by name,
+    and so is a strategy already built (it could not take the schedule's decisions)."""
     wanted = Cover(modes=(), topk=16, large_cache=True, tail=1)
     drawn = generated_cases(10, 0, cases, schedule=[wanted] * 10, max_topk=4,
                             max_blocks=160)
@@ -213,6 +214,8 @@ def test_a_decision_the_limits_rule_out_is_drawn() -> None:
     assert all(c.seq_lens[0] % BLOCK_SIZE == 1 for c in drawn)
     with pytest.raises(TypeError, match="'top_k'"):
         Cover(top_k=16)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"pass capabilities.strategy, not "):
+        generated_cases(1, 0, cases())  # type: ignore[arg-type]
 
 
 LOADER = """

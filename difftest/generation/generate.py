@@ -121,6 +121,10 @@ def generated_cases(count: int, seed: int = 0, strategy: CaseStrategy = cases,
     Hypothesis may draw the same case twice; when that leaves the set short, the same seed is
     drawn again with a larger budget (the first draws stay the same).
     """
+    if isinstance(strategy, st.SearchStrategy):
+        raise TypeError("generated_cases: strategy is a function of the example's cover "
+                        "(cases, dense_cases, capabilities.strategy), not a SearchStrategy: "
+                        "pass capabilities.strategy, not capabilities.strategy()")
     if count <= 0:
         return []
     budget, found = count, 0
