@@ -4,7 +4,8 @@
 #   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|gluon|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
-#        backend that cannot run on this GPU is --optional and says why in the report);
+#        backend that cannot run on this GPU is --optional and says why in the report), and
+#        the worked plug-in of docs/plugins.md;
 # gluon: ROCm with AITER: the real pa_decode_gluon (aiter-gluon, vllm-aiter) beside the
 #        compiled-only backends on the same cases, so the numerics the CPU judged from the
 #        emulator are the kernel's; finding F31 natively (vllm-aiter on the corpus's report
@@ -37,6 +38,8 @@ if [ "$part" = run ] || [ "$part" = all ]; then
   step run "$py" -m difftest.cli run --device cuda --examples 100 \
     --backends "$real,$aiter" --optional aiter-unified,aiter-unified@shuffled \
     --report "$out/run.json"
+  step plugin "$py" -m difftest.cli run --device cuda --examples 100 \
+    --plugin examples/plugins/sdpa_backend.py --backends torch-sdpa --report "$out/plugin.json"
 fi
 if [ "$part" = fp ] || [ "$part" = all ]; then
   step fp "$py" -m benchmarks.false_positives --device cuda --examples 2000 \
