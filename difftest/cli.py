@@ -311,9 +311,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.no_corpus, args.examples = True, 0
     capabilities = Capabilities.probe(session.backends, session.device)
     plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
-                         [*generated_cases(args.examples, args.seed, capabilities.strategy()),
+                         [*generated_cases(args.examples, args.seed, capabilities.strategy),
                           *generated_cases(dense_examples(args.examples), args.seed,
-                                           capabilities.dense_strategy())],
+                                           capabilities.dense_strategy)],
                          shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
                          if args.cases_from else ())
     progress = Progress(len(plan.runs))

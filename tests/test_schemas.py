@@ -16,7 +16,7 @@ from difftest.case import spec
 from difftest.case.spec import CASE_JSON_SCHEMA, Case
 from difftest.cli import main
 from difftest.contract.compare import Comparison, Location
-from difftest.contract.kernel_call import KernelCall, StatedArgument
+from difftest.contract.kernel_call import DeviceCode, KernelCall, StatedArgument
 from difftest.generation.corpus import load_corpus
 from difftest.primitives.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.reporting.report import (
@@ -49,7 +49,8 @@ def _required(cls: type, optional: frozenset[str] = frozenset()) -> set[str]:
         CaseRecord.PYTEST_FIELDS)),
     ("comparison", Comparison, Comparison.READ_OPTIONAL, set()),
     ("location", Location, frozenset(), set()),
-    ("kernel_call", KernelCall, frozenset(), set()),
+    ("kernel_call", KernelCall, KernelCall.READ_OPTIONAL, set()),
+    ("device_code", DeviceCode, frozenset(), set()),
     ("argument", StatedArgument, frozenset(), set()),
     ("backend", BackendEntry, frozenset(), set()),
     ("worker", WorkerEntry, frozenset(), set()),

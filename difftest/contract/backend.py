@@ -121,6 +121,12 @@ class ReferenceBackend(Backend, Protocol):
         """The float64 output of ``inputs.case`` and the magnitudes its tolerance needs."""
         ...
 
+    def working_bytes(self, case: Case) -> int:
+        """The memory :meth:`reference` allocates for ``case`` beyond the case's inputs and
+        its outputs (an upper bound of its scratch): the runner refuses a case the device
+        cannot hold before anything is allocated (:mod:`difftest.run.footprint`)."""
+        ...
+
 
 @runtime_checkable
 class ConfigurableBackend(Backend, Protocol):
@@ -131,14 +137,18 @@ class ConfigurableBackend(Backend, Protocol):
         ...
 
 
+REFERENCE_METHODS = ("reference", "working_bytes")  # what ReferenceBackend adds to Backend
+
+
 def serves_as_reference(backend: Backend) -> TypeGuard[ReferenceBackend]:
-    """Whether ``backend`` has ``reference()``, looked up dynamically.
+    """Whether ``backend`` has the methods of :data:`REFERENCE_METHODS`, looked up
+    dynamically.
 
     Not ``isinstance(backend, ReferenceBackend)``: from Python 3.12 a runtime-checkable
     protocol reads attributes statically (``inspect.getattr_static``), so the registry's guard,
     which delegates through ``__getattr__``, would never match.
     """
-    return callable(getattr(backend, "reference", None))
+    return all(callable(getattr(backend, method, None)) for method in REFERENCE_METHODS)
 
 
 def takes_options(backend: Backend) -> TypeGuard[ConfigurableBackend]:
