@@ -49,7 +49,8 @@ def _why_not_generated(run: pytest_run.DifftestRun, backend: Backend) -> str | N
         reasons = sorted({reason for _, _, reason in capabilities.refused}
                          | {reason for _, reason in capabilities.skipped})
         return f"unsupported: {backend.name} runs no dtype combination here ({'; '.join(reasons)})"
-    _strategies[backend.name] = capabilities.strategy()
+    # each example, or the nearest variant of it this backend runs (as `difftest run` fits)
+    _strategies[backend.name] = capabilities.fitted_strategy()
     return None
 
 
