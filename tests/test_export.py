@@ -109,6 +109,7 @@ def test_the_script_takes_an_installed_aiter_and_says_how_without_one(f21: Path,
 def test_f28_of_vllm_paged_decode_reproduces_without_difftest(tmp_path: Path) -> None:
     directory = failure(tmp_path, BASE.replace(sliding_window=40, canary=True),
                         "vllm-paged-decode")
+    assert f"difftest export {directory}\n" in (directory / "repro.txt").read_text()
     out = tmp_path / "issue" / "repro.py"
     assert main(["export", str(directory), "-o", str(out), "--device", "cpu"]) == 0
     done = run_script(out)
