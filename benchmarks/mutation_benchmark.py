@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -367,10 +367,11 @@ def stretch_cases(device: torch.device, limits: Limits) -> list[Case]:
         q, kv = supported_dtypes(backend, device)
         queries.update(q)
         kvs.update(kv)
-    strategy = cases(query_dtypes=tuple(q for q in QUERY_DTYPES if q in queries),
-                     kv_dtypes=tuple(k for k in KV_DTYPES if k in kvs),
-                     max_batch=limits.false_positive_batch, max_topk=limits.false_positive_topk)
-    return generated_cases(limits.false_positive_cases, limits.seed, strategy)
+    return generated_cases(limits.false_positive_cases, limits.seed, cases,
+                           query_dtypes=tuple(q for q in QUERY_DTYPES if q in queries),
+                           kv_dtypes=tuple(k for k in KV_DTYPES if k in kvs),
+                           max_batch=limits.false_positive_batch,
+                           max_topk=limits.false_positive_topk)
 
 
 # ----- the whole run --------------------------------------------------------------------------
@@ -533,15 +534,22 @@ class Diagnosed:
         return self.named == self.expected
 
 
-def _family_cases(mutant: Any, device: torch.device, family: str) -> st.SearchStrategy[Case]:
-    """What ``difftest run`` gives ``mutant``'s backend of one case family (each example, or
-    its nearest variant the backend runs)."""
-    from difftest.generation.capabilities import Capabilities, cases_for_backend
+def _family_strategy(mutant: Any, device: torch.device,
+                     family: str) -> Callable[..., st.SearchStrategy[Case]]:
+    """What ``difftest run`` gives ``mutant``'s backend of one case family, as
+    :func:`~difftest.generation.generate.generated_cases` takes it (a function of the
+    example's cover): each example, or its nearest variant the backend runs."""
+    from difftest.generation.capabilities import Capabilities
 
-    if family == "sparse":
-        return cases_for_backend(mutant, device)
     capabilities = Capabilities.probe([mutant], device)
-    return capabilities.dense_strategy().map(lambda case: capabilities.fit(case)[0].case)
+    if family == "sparse":
+        return capabilities.fitted_strategy
+
+    def dense(**options: Any) -> st.SearchStrategy[Case]:
+        return capabilities.dense_strategy(**options).map(
+            lambda case: capabilities.fit(case)[0].case)
+
+    return dense
 
 
 def _diagnosis_task(name: str, device: str, examples: int, kills: int, seed: int,
@@ -555,7 +563,7 @@ def _diagnosis_task(name: str, device: str, examples: int, kills: int, seed: int
     dev = torch.device(device)
     reference = _reference()
     found: list[Diagnosed] = []
-    for case in generated_cases(examples, seed, _family_cases(mutant, dev, family)):
+    for case in generated_cases(examples, seed, _family_strategy(mutant, dev, family)):
         if len(found) >= kills:
             break
         if not mutant.mutation.reachable(case):
