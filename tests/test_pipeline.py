@@ -199,7 +199,7 @@ def test_prepared_inputs_are_bit_identical_to_those_built_lazily() -> None:
         built, fresh = runner.prepared_inputs(case, cpu, host), runner.RunInputs(case, cpu)
         for name in ("query", "k_stored", "v_stored", "block_ids", "written"):
             assert torch.equal(bits(getattr(fresh.data, name)), bits(getattr(built.data, name)))
-        for name in ("slots", "tokens", "starts", "context_lens"):
+        for name in ("slots", "tokens", "first", "context_lens"):
             assert torch.equal(getattr(fresh.data.segments, name),
                                getattr(built.data.segments, name))
         for name in ("physical_blocks", "valid_tokens", "slot_of"):

@@ -47,11 +47,9 @@ def test_every_fp8_byte_is_read_as_its_value(dtype: torch.dtype) -> None:
     expected = stored.to(torch.float64)
     slots = torch.tensor([[1, 0]], dtype=torch.int64, device=device)  # both, out of order
     eye = torch.eye(DIM, dtype=torch.float64, device=device)[None]  # head h reads dim h
-    tokens = torch.full((1, 2), BLOCK, dtype=torch.int32, device=device)
-    starts = torch.tensor([[0, BLOCK]], dtype=torch.int32, device=device)
-    context = torch.tensor([2 * BLOCK], dtype=torch.int32, device=device)
-    scores, _ = kernels.scores_and_largest(eye, eye.float(), readable, slots, tokens, starts,
-                                           context, 0)
+    tokens = torch.full((1, 2), BLOCK, dtype=torch.int64, device=device)
+    first = torch.zeros((1, 2), dtype=torch.int64, device=device)
+    scores, _ = kernels.scores_and_largest(eye, eye.float(), readable, slots, first, tokens)
     keys = torch.cat([expected[1], expected[0]]).T  # [dim, token] = q_h . k_t
     assert torch.equal(scores[0], keys)
     probs = torch.zeros((1, BLOCK, 2 * BLOCK), dtype=torch.float64, device=device)
@@ -74,10 +72,8 @@ def test_nan_bytes_are_read_as_nan(dtype: torch.dtype) -> None:
     stored.view(torch.uint8)[0, poisoned, 7] = torch.tensor(nan_bytes, dtype=torch.uint8)
     stored = stored.to(device)
     heads = torch.ones((1, 16, DIM), dtype=torch.float64, device=device)
-    one = torch.ones((1, 1), dtype=torch.int32, device=device)
+    zero = torch.zeros((1, 1), dtype=torch.int64, device=device)
     scores, _ = kernels.scores_and_largest(
-        heads, heads.float(), kernels.readable(stored),
-        torch.zeros((1, 1), dtype=torch.int64, device=device), one * BLOCK, one * 0,
-        one[0] * BLOCK, 0)
+        heads, heads.float(), kernels.readable(stored), zero, zero, zero + BLOCK)
     nan_tokens = torch.isnan(scores[0]).all(dim=0).nonzero().flatten().cpu()
     assert torch.equal(nan_tokens, poisoned)
