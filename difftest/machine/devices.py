@@ -42,8 +42,13 @@ def prepare_runtime(device: str) -> None:
     lanes and empty rows (which the kernels discard) are silenced; its re-patching of
     ``triton.language`` on nested calls and its overflow conditions that nothing checks are
     skipped, and fp8 NaN/Inf bytes convert to NaN/Inf as on a GPU
-    (:mod:`difftest.machine.interpreter`).
+    (:mod:`difftest.machine.interpreter`). On either device Triton keeps compiled kernels
+    where ``DIFFTEST_KERNEL_CACHE`` says
+    (:func:`difftest.machine.kernel_compiles.use_kernel_cache`).
     """
+    from difftest.machine.kernel_compiles import use_kernel_cache
+
+    use_kernel_cache()
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
