@@ -271,13 +271,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
     from difftest.generation.capabilities import Capabilities
     from difftest.generation.corpus import load_corpus
-    from difftest.generation.dense import dense_examples
-    from difftest.generation.generate import generated_cases
     from difftest.judgement.expectations import load as load_expectations
     from difftest.machine import devices
     from difftest.reporting.report import unavailable_asked, write_report
     from difftest.results.reach import LineTrace
-    from difftest.run.plan import RunPlan, execute, session_report
+    from difftest.run.plan import RunPlan, drawn_examples, execute, session_report
     from difftest.run.recorded import recorded_runs
     from difftest.run.replay import report_previous_crashes
     from difftest.run.session import Session
@@ -312,9 +310,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.no_corpus, args.examples = True, 0
     capabilities = Capabilities.probe(session.backends, session.device)
     plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
-                         [*generated_cases(args.examples, args.seed, capabilities.strategy),
-                          *generated_cases(dense_examples(args.examples), args.seed,
-                                           capabilities.dense_strategy)],
+                         drawn_examples(capabilities, args.examples, args.seed),
                          shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
                          if args.cases_from else ())
     progress = Progress(len(plan.runs))

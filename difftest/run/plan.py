@@ -78,6 +78,16 @@ class RunPlan:
         return [(run.case, run.backends) for run in self.runs]
 
 
+def drawn_examples(capabilities: Capabilities, count: int, seed: int) -> list[Case]:
+    """The examples ``difftest run --examples count --seed seed`` draws over what the
+    backends run: ``count`` of the sparse family, then the dense family's share."""
+    from difftest.generation.dense import dense_examples
+    from difftest.generation.generate import generated_cases
+
+    return [*generated_cases(count, seed, capabilities.strategy),
+            *generated_cases(dense_examples(count), seed, capabilities.dense_strategy)]
+
+
 def case_set_line(counts: dict[str, int], shard: str | None = None, ran: int = 0) -> str:
     """The case count explained: ``133 cases: 6 corpus, 50 generated, 77 fitted variants``,
     and why a backend runs fewer cases than the total; with ``shard``, the ``ran`` cases of
