@@ -244,3 +244,63 @@ def test_the_kernel_cache_is_one_setting() -> None:
     assert use_kernel_cache(env) == "/ci/kernels" == env["TRITON_CACHE_DIR"]
     assert use_kernel_cache({"TRITON_CACHE_DIR": "/t"}) == "/t"
     assert use_kernel_cache({"TRITON_HOME": "/h"}) == "/h/.triton/cache"
+
+
+COPYING_PLUGIN = '''
+import torch, triton, triton.language as tl
+from difftest.backends.torch_ref import TorchReference
+
+
+@triton.jit
+def _copy(src, dst, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+
+class Copied(TorchReference):
+    """The reference's output copied by a Triton kernel (its length specialized)."""
+
+    name = "copied"
+
+    def run(self, inputs):
+        out = self.reference(inputs).output.reshape(-1).contiguous()
+        copy = torch.empty_like(out)
+        _copy[(triton.cdiv(out.numel(), 256),)](out, copy, out.numel(), BLOCK=256)
+        return copy.view(self.reference(inputs).output.shape)
+
+
+DIFFTEST_BACKENDS = [Copied]
+'''
+
+TESTS = '''
+def test_cases(check_case):
+    from difftest.generation.corpus import load_corpus
+    for case in load_corpus()[:3]:
+        check_case(case)
+'''
+
+
+@needs_interpreter
+def test_a_pytest_run_reports_its_kernel_specializations(tmp_path) -> None:
+    """pytest with the plug-in: the report's ``kernel_compiles`` and the summary line count
+    what the backend's interpreted launches would compile on a GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "copying.py").write_text(COPYING_PLUGIN)
+    (tmp_path / "test_copied.py").write_text(TESTS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "test_copied.py",
+         "--difftest-plugin", "copying.py", "--difftest-backends", "copied",
+         "--difftest-device", "cpu", "--difftest-report", "report.json"],
+        cwd=tmp_path, env=env | {"HYPOTHESIS_PROFILE": "ci"}, capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    compiles = json.loads((tmp_path / "report.json").read_text())["config"]["kernel_compiles"]
+    assert set(compiles) == {"copied"} and 1 <= compiles["copied"]["interpreted"] <= 3
+    assert compiles["copied"]["compiled"] == 0
+    assert "kernels: interpreted (TRITON_INTERPRET=1), none compiled; a GPU would compile" \
+        in done.stdout
