@@ -208,12 +208,15 @@ def _install() -> None:
     """Install, once per process, Triton's compilation listener and the interpreted launch
     counter that report to the started :class:`KernelCompiles`."""
     with _INSTALL_LOCK:
-        from triton import knobs
-        from triton.runtime import interpreter
-
-        listener = knobs.compilation.listener
-        if not getattr(listener, _WRAPPED, False):
-            knobs.compilation.listener = _listening(listener)
+        try:
+            from triton import knobs
+            from triton.runtime import interpreter
+        except ImportError:  # no Triton, or one without knobs (before 3.4): nothing to count
+            return
+        compilation = getattr(knobs, "compilation", None)
+        listener = getattr(compilation, "listener", None)
+        if hasattr(compilation, "listener") and not getattr(listener, _WRAPPED, False):
+            compilation.listener = _listening(listener)
         run = interpreter.InterpretedFunction.run
         if not getattr(run, _WRAPPED, False):
             interpreter.InterpretedFunction.run = _counting(run)
@@ -222,8 +225,11 @@ def _install() -> None:
 def _listening(previous: Callable[..., None] | None) -> Callable[..., None]:
     def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any,
                  cache_hit: bool) -> None:
-        micro = times.ir_initialization + sum(t for _, t in times.lowering_stages)
-        seconds = (micro + times.store_results) / 1e6
+        try:  # microseconds; a Triton whose CompileTimes differ still compiles, untimed
+            micro = times.ir_initialization + sum(t for _, t in times.lowering_stages)
+            seconds = (micro + times.store_results) / 1e6
+        except (AttributeError, TypeError, ValueError):
+            seconds = 0.0
         for compiles in list(_ACTIVE):
             compiles.compiled(seconds, cache_hit)
         if previous is not None:
