@@ -7,10 +7,11 @@
 Each pass (``--passes``, default ``cold,warm``) is ``difftest run --examples 40 --jobs auto``
 over every backend the machine has, in a process of its own: ``cold`` with an empty kernel
 cache (a fresh ``DIFFTEST_KERNEL_CACHE``), ``warm`` with the same cache again (Triton loads
-what ``cold`` compiled). Per pass it prints the wall, the cases and cases per second, the
-jobs, the specializations compiled and loaded per stage with their seconds (the report's
-``kernel_compiles``, summed over the jobs, which compile side by side) and the runner's
-seconds per stage summed over the cases (summed over the jobs too).
+what ``cold`` compiled). Per pass it prints the wall and the CPU time of its processes (with
+the load average: on a shared machine the wall stretches with the load), the cases and cases
+per second, the jobs, the specializations compiled and loaded per stage with their seconds
+(the report's ``kernel_compiles``, summed over the jobs, which compile side by side) and the
+runner's seconds per stage summed over the cases (summed over the jobs too).
 
 ``--device-busy N`` (a GPU): the first N cases of the same job run again in this process,
 one session, pipelined, under torch.profiler, after the passes (the cache warm): each
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -82,20 +84,30 @@ def run_pass(name: str, device: str, examples: int, jobs: str, cache: Path, work
     argv = [sys.executable, "-m", "difftest.cli", "run", "--device", device, "--examples",
             str(examples), "--jobs", jobs, "--report", str(report), "--artifacts",
             str(work / f"{name}-artifacts"), *extra]
-    start = time.perf_counter()
+    start, used = time.perf_counter(), _children_cpu()
     with log.open("w") as out:
         done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu() - used
     if not report.is_file():
         return {"exit": done.returncode, "wall_s": round(wall, 2), "log": str(log)}
-    numbers = summarize(read_json(report), wall) | {"exit": done.returncode, "log": str(log)}
-    print(f"{name}: {numbers['cases']} cases in {wall:.1f} s, {numbers['cases_per_s']} cases/s, "
+    numbers = summarize(read_json(report), wall) | {
+        "exit": done.returncode, "cpu_s": round(cpu, 1), "log": str(log),
+        "load_average": [round(x, 2) for x in os.getloadavg()]}
+    print(f"{name}: {numbers['cases']} cases in {wall:.1f} s ({cpu:.0f} s of CPU, load average "
+          f"{numbers['load_average'][0]} at the end), {numbers['cases_per_s']} cases/s, "
           f"{numbers['jobs']} jobs, exit {done.returncode}")
     print(f"  {describe(numbers['kernel_compiles'], str(cache))}")
     stages = numbers["stage_seconds"]
     print("  stage seconds summed over the cases: " + ", ".join(
         f"{k} {v:.1f}" for k, v in sorted(stages.items(), key=lambda item: -item[1])))
     return numbers
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of this process's finished children (the pass's processes):
+    on a shared machine the wall stretches with the load, the CPU time much less."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def device_busy(device: str, examples: int, cases: int, work: Path) -> dict[str, Any]:

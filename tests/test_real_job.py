@@ -82,6 +82,7 @@ def test_the_real_job_on_the_cpu_keeps_its_numbers(tmp_path: Path) -> None:
     assert kept["throughput"] == {"kept": True}
     warm = kept["real_job"]["warm"]
     assert warm["exit"] == 0 and warm["cases"] >= 2 and warm["cases_per_s"] > 0
+    assert warm["cpu_s"] > 0 and len(warm["load_average"]) == 3
     assert warm["kernel_compiles"] == {} and "rounded" in warm["stage_seconds"]
     assert kept["real_job"]["machine"]["device"] == "cpu"
     assert "kernels: no Triton kernel launched" in done.stdout
