@@ -118,16 +118,15 @@ def attribute(trace: dict[str, Any]) -> dict[str, StageBusy]:
     goes to :data:`UNATTRIBUTED`.
     """
     events = _complete_events(trace)
-    stages = _stages(events)
+    annotations = _Annotations(_stages(events))
     launches = {e["args"]["correlation"]: float(e["ts"]) for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
-    starts = [s[0] for s in stages]
     busy: dict[str, StageBusy] = defaultdict(StageBusy)
     for e in events:
         if e.get("cat") not in GPU_CATEGORIES:
             continue
         launched = launches.get(e.get("args", {}).get("correlation"))
-        stage = UNATTRIBUTED if launched is None else _innermost(stages, starts, launched)
+        stage = UNATTRIBUTED if launched is None else annotations.innermost(launched)
         seconds = float(e.get("dur", 0)) / 1e6
         busy[stage].seconds += seconds
         busy[stage].activities += 1
@@ -140,10 +139,9 @@ def host_calls(trace: dict[str, Any]) -> dict[str, StageHost]:
     operators (per thread) and the CUDA runtime/driver calls that began inside it, charged to
     the innermost stage; those outside every stage go to :data:`UNATTRIBUTED`."""
     events = _complete_events(trace)
-    stages = _stages(events)
-    starts = [s[0] for s in stages]
+    annotations = _Annotations(_stages(events))
     host: dict[str, StageHost] = defaultdict(StageHost)
-    for begin, end, name in stages:
+    for begin, end, name in annotations.stages:
         host[name].seconds += (end - begin) / 1e6
         host[name].entries += 1
     calls = [e for e in events if e.get("cat") in LAUNCH_CATEGORIES]
@@ -156,20 +154,34 @@ def host_calls(trace: dict[str, Any]) -> dict[str, StageHost]:
             calls.append(e)
     for e in calls:
         kind = "op" if e.get("cat") == "cpu_op" else "rt"
-        tally = host[_innermost(stages, starts, float(e["ts"]))].by_name[f"{kind} {e['name']}"]
+        tally = host[annotations.innermost(float(e["ts"]))].by_name[f"{kind} {e['name']}"]
         tally[0] += 1
         tally[1] += float(e.get("dur", 0)) / 1e6
     return dict(host)
 
 
-def _innermost(stages: list[tuple[float, float, str]], starts: list[float],
-               moment: float) -> str:
-    """The shortest annotation holding ``moment`` (annotations nest or are disjoint)."""
-    best: tuple[float, str] | None = None
-    for begin, end, name in stages[:bisect.bisect_right(starts, moment)]:
-        if begin <= moment <= end and (best is None or end - begin < best[0]):
-            best = (end - begin, name)
-    return UNATTRIBUTED if best is None else best[1]
+class _Annotations:
+    """The ``stage:`` annotations of a trace, for finding the innermost around a moment."""
+
+    def __init__(self, stages: list[tuple[float, float, str]]) -> None:
+        self.stages = stages
+        self.starts = [s[0] for s in stages]
+        latest, self.reach = float("-inf"), []  # the latest end of annotations 0..i
+        for _, end, _ in stages:
+            latest = max(latest, end)
+            self.reach.append(latest)
+
+    def innermost(self, moment: float) -> str:
+        """The shortest annotation holding ``moment`` (annotations nest or are disjoint: of
+        those holding it, the one that began last); the walk back stops where no earlier
+        annotation reaches ``moment``, so a trace of many cases costs about its events."""
+        index = bisect.bisect_right(self.starts, moment) - 1
+        while index >= 0 and self.reach[index] >= moment:
+            begin, end, name = self.stages[index]
+            if begin <= moment <= end:
+                return name
+            index -= 1
+        return UNATTRIBUTED
 
 
 def profiled_trace(run: Any, reference: Any, backends: list[Any], trace_path: Path

@@ -42,7 +42,9 @@ asks for on device work alone; then each stage's host span and the torch operato
 calls that fill it (:func:`benchmarks.device_busy.host_calls`).
 
 ``--profile N`` runs one more case under cProfile (and torch.profiler on a GPU) and prints
-the N largest entries.
+the N largest entries. ``--json PATH`` keeps the numbers printed (mean ms per stage, the
+untimed medians, device-busy per stage) under ``throughput`` in PATH (its other keys kept);
+:mod:`benchmarks.real_job` measures the README's main job beside them.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,6 +68,7 @@ import torch
 
 from benchmarks import device_busy
 from difftest.case.spec import Case
+from difftest.primitives.jsonfile import read_json, write_json
 from difftest.run.runner import RunHooks, prepare_host
 from difftest.run.session import Session
 
@@ -211,8 +214,13 @@ def profile_case(session: Session, case: Case, top: int) -> None:
     print(text.getvalue())
 
 
-def main() -> None:
-    """Run the benchmark and print a table."""
+def arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's options (``argv``: else ``sys.argv``); exits 2 on a bad one."""
+    return parser().parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=("small", "production"), default="small")
     parser.add_argument("--device", default="auto")
@@ -226,11 +234,17 @@ def main() -> None:
                         help="on a GPU: N more cases under torch.profiler, device-busy per stage")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="profile one more case and print its N largest entries")
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="keep the numbers under throughput here")
+    return parser
+
+
+def main() -> None:
+    """Run the benchmark and print a table."""
+    args = arguments()
     session = Session.create(args.backends.split(","), device=args.device)
     if args.device_busy and session.device.type != "cuda":
-        parser.error(f"--device-busy needs a CUDA/ROCm GPU (the device is "
-                     f"{session.device.type}); leave it out on the CPU")
+        parser().error(f"--device-busy needs a CUDA/ROCm GPU (the device is "
+                       f"{session.device.type}); leave it out on the CPU")
     timer = LaunchTimer(session.device)
     timer.install()
     hooks = TimerHooks(timer)
@@ -273,20 +287,29 @@ def main() -> None:
     print_table(args, session, q_dtype, mean, median, walls)
     timer.active = False
     session.hooks.remove(hooks)
-    print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
+    numbers: dict[str, Any] = {
+        "shape": args.shape, "device": str(session.device), "query_dtype": q_dtype,
+        "backends": [b.name for b in session.backends], "timed_cases": len(walls),
+        "mean_ms": {stage: round(1e3 * s, 4) for stage, s in mean.items()},
+        "cases_per_s_timed": round(len(walls) / sum(walls), 3)}
+    untimed = print_untimed(session, make, range(1, args.cases + 1), mean, args.repeats)
+    numbers["cases_per_s_untimed"] = {mode: round(1 / s, 3) for mode, s in untimed.items()}
     if args.device_busy:
         seeds = range(args.cases + 2, args.cases + 2 + args.device_busy)
-        print_device_busy(session, make, seeds)
+        numbers["device_busy_ms"] = print_device_busy(session, make, seeds)
+    if args.json:
+        existing = read_json(args.json) if Path(args.json).is_file() else {}
+        write_json(args.json, existing | {"throughput": numbers})
     if args.profile:
         profile_case(session, make(args.cases + 1), args.profile)
     session.close()
 
 
 def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
-                  mean: dict[str, float], repeats: int = 3) -> None:
+                  mean: dict[str, float], repeats: int = 3) -> dict[str, float]:
     """Cases per second without the timers: one by one, then pipelined, alternately
     ``repeats`` times on fresh cases (nothing cached from an earlier pass); the medians, and
-    a check that both give the same verdicts."""
+    a check that both give the same verdicts. Returns each mode's median seconds per case."""
     walls: dict[str, list[float]] = defaultdict(list)
     verdicts: dict[str, list[Any]] = {}
     for _ in range(repeats):
@@ -312,12 +335,15 @@ def print_untimed(session: Session, make: Callable[[int], Case], seeds: range,
         if kernel:
             print(f"pipelined, (a case's wall - the {backend.name} kernel) / that kernel: "
                   f"{(piped - kernel) / kernel:.2f}")
+    return {mode: statistics.median(per_case) for mode, per_case in walls.items()}
 
 
-def print_device_busy(session: Session, make: Callable[[int], Case], seeds: range) -> None:
+def print_device_busy(session: Session, make: Callable[[int], Case], seeds: range
+                      ) -> dict[str, float]:
     """Run ``seeds``' cases pipelined under the profiler; print each stage's device-busy ms
     per case (and its largest GPU activities), (framework + reference) over each backend's
-    on device work alone, then each stage's host span per case and the calls that fill it."""
+    on device work alone, then each stage's host span per case and the calls that fill it.
+    Returns each stage's device-busy ms per case, and ``framework + reference``."""
     cases = [make(seed) for seed in seeds]
     trace_path = Path(tempfile.gettempdir()) / "difftest-device-busy.json"
     trace = device_busy.profiled_trace(lambda: list(session.run_all((c, None) for c in cases)),
@@ -346,6 +372,8 @@ def print_device_busy(session: Session, make: Callable[[int], Case], seeds: rang
         for name, count, seconds in h.largest():
             print(f"      {name[:52]:<52}{count / len(cases):6.1f}x"
                   f"{1e3 * seconds / len(cases):8.3f}")
+    return {stage: round(1e3 * s, 4) for stage, s in
+            (*per_case.items(), ("framework + reference", spent))}
 
 
 def print_table(args: argparse.Namespace, session: Session, q_dtype: str,

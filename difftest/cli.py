@@ -128,14 +128,15 @@ def _jobs(text: str) -> int:
 
 
 def _job_count(jobs: int, device: str) -> int:
-    """``--jobs`` for the ``--device`` choice: ``auto`` is one job per visible GPU (each
-    pinned to its own, :func:`difftest.run.jobs.job_environments`) unless ``--device cpu``,
-    else one per core (:func:`difftest.run.jobs.auto_jobs`)."""
+    """``--jobs`` for the ``--device`` choice: ``auto`` is one job per core, at most 8 per
+    visible GPU (unless ``--device cpu``; each pinned to one GPU, round-robin:
+    :func:`difftest.run.jobs.job_environments`) or 8 on the CPU, at least one per GPU
+    (:func:`difftest.run.jobs.auto_jobs`)."""
     from difftest.run.jobs import auto_jobs, visible_gpus
 
     if jobs:
         return jobs
-    return (0 if device == "cpu" else visible_gpus()) or auto_jobs()
+    return auto_jobs(0 if device == "cpu" else visible_gpus())
 
 
 def _backend_names(text: str) -> list[str]:
@@ -270,13 +271,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
     from difftest.generation.capabilities import Capabilities
     from difftest.generation.corpus import load_corpus
-    from difftest.generation.dense import dense_examples
-    from difftest.generation.generate import generated_cases
     from difftest.judgement.expectations import load as load_expectations
     from difftest.machine import devices
     from difftest.reporting.report import unavailable_asked, write_report
     from difftest.results.reach import LineTrace
-    from difftest.run.plan import RunPlan, execute, session_report
+    from difftest.run.plan import RunPlan, drawn_examples, execute, session_report
     from difftest.run.recorded import recorded_runs
     from difftest.run.replay import report_previous_crashes
     from difftest.run.session import Session
@@ -311,9 +310,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         args.no_corpus, args.examples = True, 0
     capabilities = Capabilities.probe(session.backends, session.device)
     plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
-                         [*generated_cases(args.examples, args.seed, capabilities.strategy),
-                          *generated_cases(dense_examples(args.examples), args.seed,
-                                           capabilities.dense_strategy)],
+                         drawn_examples(capabilities, args.examples, args.seed),
                          shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
                          if args.cases_from else ())
     progress = Progress(len(plan.runs))
@@ -323,7 +320,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     finished = Path(f"{args.report}.records") if job and args.report else None
     interrupted: Interrupted | None = None
     try:
-        for result in execute(session, plan, Path(args.claims) if job else None):
+        for result in execute(session, plan, Path(args.claims) if job else None,
+                              job.count if job else 1):
             record = session.records[-1]
             new = _new_failures(result, record, expectations) if result.failed else []
             progress.step(result, bool(new) and shown < limit)
@@ -393,6 +391,7 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
     from difftest.judgement.audit import audit_lines
     from difftest.judgement.expectations import judge
     from difftest.judgement.expectations import load as load_expectations
+    from difftest.machine.kernel_compiles import describe, kernel_cache_dir
     from difftest.reporting.report import (
         blind_spot_lines,
         case_records,
@@ -430,6 +429,8 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
         print("\n".join(f"generation: {line}" for line in generation
                         if not line.startswith("fitted for ") and not UNFIT.match(line)))
         print("\n".join(blind_spot_lines(config.get("audit"), path)))
+    if config.get("kernel_compiles") is not None:
+        print(describe(config["kernel_compiles"], kernel_cache_dir()))
     print("\n".join(unavailable_lines(report)))
     judgement = judge(case_records(report), load_expectations())
     known = frozenset((case.case_id, result.backend) for pairs in judgement.known.values()
@@ -658,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run only shard K of N (1-based) of the case set, split by case id")
     p.add_argument("--jobs", type=_jobs, default=1, metavar="N|auto",
                    help="split the case set across N processes, one report; auto: one per "
-                   "visible GPU (each pinned to its own), else one per core (at most 8)")
+                   "core, at most 8 per visible GPU (pinned round-robin) or 8 without GPUs")
     p.add_argument("--audit", action="store_true",
                    help="print the whole parameter audit and feature coverage (by default "
                    "only blind spots; `difftest audit REPORT` prints it later)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report), and
@@ -19,11 +19,22 @@
 # installed: the installed differential suite, `pytest -n 4 --pyargs difftest.kernel_tests`,
 #        from a directory outside the checkout (one GPU per worker, JUnit and report kept);
 # export: F28's failure recorded natively, exported (`difftest export`), and its script run
-#        natively with `python -S` (no difftest on its path): it must exit 1.
+#        natively with `python -S` (no difftest on its path): it must exit 1;
+# speed: docs/performance.md's GPU numbers, all in OUTDIR/speed.json (printed at the end);
+#        its parts can run alone (OUTDIR speed-job, speed-shape or speed-pytest):
+#   speed-job:    the README main job (`difftest run --examples 40 --jobs auto`, every backend)
+#                 with an empty kernel cache, then warm: wall, cases/s, compiles per stage;
+#                 then device-busy per stage over 40 of its cases (benchmarks/real_job.py);
+#   speed-shape:  the production shape's cases/s pipelined and device-busy per stage
+#                 (benchmarks/throughput.py);
+#   speed-pytest: `pytest -n 1` and `pytest -n 4` of tests/test_differential.py on one GPU,
+#                 each with an empty kernel cache.
+#   Each speed part takes a few minutes (speed-job the longest: a cold main job); a part
+#   stopped at SPEED_TIMEOUT seconds (default 560) keeps what it measured in speed.json.
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -84,4 +95,24 @@ print(case.case_id)')
   step export-script bash -c "cd '$out/export' && ! PYTHONPATH='$site' '$py' -S test_f28.py --device cuda"
   echo "export: case $f28" >>"$out/summary.txt"
 fi
+speed_timeout=${SPEED_TIMEOUT:-560}
+wants() { [ "$part" = "$1" ] || [ "$part" = speed ] || [ "$part" = all ]; }
+if wants speed-job; then
+  step speed-job timeout "$speed_timeout" "$py" -m benchmarks.real_job --device cuda \
+    --passes cold,warm --device-busy 40 --work "$out/real-job" --json "$out/speed.json"
+fi
+if wants speed-shape; then
+  step speed-shape timeout "$speed_timeout" "$py" -m benchmarks.throughput --shape production \
+    --device cuda --cases 20 --repeats 2 --device-busy 10 --json "$out/speed.json"
+fi
+if wants speed-pytest; then
+  step speed-pytest timeout "$speed_timeout" "$py" -m benchmarks.real_job --device cuda \
+    --passes none --pytest 1,4 --work "$out/real-job" --json "$out/speed.json"
+fi
+case "$part" in speed | speed-* | all)
+  for name in speed-job speed-shape speed-pytest; do
+    [ -f "$out/$name.txt" ] && { echo "== $name"; grep -v '^\s*$' "$out/$name.txt" | tail -n 40; }
+  done
+  [ -f "$out/speed.json" ] && { echo "== $out/speed.json"; cat "$out/speed.json"; } ;;
+esac
 exit "$status"

@@ -1,5 +1,5 @@
 """The interpreter skips (difftest/machine/interpreter.py): nested re-patching, dropped overflow
-checks."""
+checks, and the pure per-op results computed once per argument."""
 
 from __future__ import annotations
 
@@ -136,3 +136,111 @@ def test_the_dropped_overflow_checks_are_skipped_and_debug_keeps_them() -> None:
     assert results["debug"] == "raised"
     assert results["skip under debug"] == [False, "raised"]
     assert results["skip"] == [True, False, wrapped]
+
+
+REUSE_SCRIPT = textwrap.dedent('''
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch, triton, triton.language as tl
+    from difftest.machine.interpreter import decode_fp8_specials, reuse_pure_results
+
+    @triton.jit
+    def kernel(k_ptr, q_ptr, out_ptr, BLOCK: tl.constexpr, D: tl.constexpr):
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        d = tl.arange(0, D)
+        k = tl.load(k_ptr + t[:, None] * D + d[None, :]).to(tl.float32)
+        q = tl.load(q_ptr + d).to(tl.float32)
+        s = tl.sum(k * q[None, :], axis=1)
+        tl.store(out_ptr + t, s.to(tl.bfloat16))
+
+    decode_fp8_specials()
+    if sys.argv[1] == "reuse":
+        assert reuse_pure_results() and reuse_pure_results()  # idempotent
+    k = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    q = (torch.linspace(-2, 2, 16)).to(torch.bfloat16)
+    outs = []
+    for _ in range(2):  # a second launch reads the shared ranges and tables again
+        out = torch.empty(16, dtype=torch.bfloat16)
+        kernel[(2,)](k, q, out, BLOCK=8, D=16)
+        outs.append(out.view(torch.int16))
+    torch.save(torch.stack(outs), sys.argv[2])
+''')
+
+
+def test_reused_results_give_the_same_bits(tmp_path) -> None:
+    """An fp8 x bf16 kernel (every e4m3fn byte, NaN included) whose launches convert fp8 and
+    bf16, look dtypes up and make ranges: the same bits with the reuse as without."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for mode in ("plain", "reuse"):
+        subprocess.run([sys.executable, "-c", REUSE_SCRIPT, mode, str(tmp_path / f"{mode}.pt")],
+                       env=env, capture_output=True, text=True, check=True)
+    plain, reused = (torch.load(tmp_path / f"{m}.pt") for m in ("plain", "reuse"))
+    assert torch.equal(plain, reused)
+    assert torch.equal(reused[0], reused[1])
+
+
+def test_each_table_equals_the_conversion_it_replaces() -> None:
+    """Every fp8 and 16-bit float format to every other, both rounding modes, on random
+    codes in a strided view: the table's values are the conversion's, dtype and shape too
+    (and a pair the conversion cannot do raises as it does)."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("triton")
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    from difftest.machine.interpreter import _tabulated, decode_fp8_specials
+
+    decode_fp8_specials()
+    tl = interpreter.tl
+    convert = interpreter._convert_float
+    while getattr(convert, "_difftest_reuses_pure_results", False):
+        convert = convert.__wrapped__
+    tabulated = _tabulated(convert)
+    narrow = [tl.float8e4nv, tl.float8e4b8, tl.float8e5, tl.float8e5b16, tl.bfloat16,
+              tl.float16]
+    rng = np.random.default_rng(7)
+    compared = set()
+    for source in narrow:
+        width = source.primitive_bitwidth
+        codes = rng.integers(0, 1 << width, size=(24, 10), dtype=getattr(np, f"uint{width}"))
+        values = codes[::2, 1:8]  # not contiguous
+        for target in [*narrow, tl.float32]:
+            if target is source:
+                continue
+            for mode in (ir.ROUNDING_MODE.RTNE, ir.ROUNDING_MODE.RTZ):
+                try:
+                    want = convert(values, source, target, mode)
+                except (OverflowError, ValueError) as refused:  # a pair it cannot convert
+                    with pytest.raises(type(refused)):
+                        tabulated(values, source, target, mode)
+                    continue
+                got = tabulated(values, source, target, mode)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert np.array_equal(got, want), (source, target, mode)
+                compared.add((source.name, target.name))
+    # every upcast of fp8 and to float32, and the 16-bit formats' downcasts to fp8
+    assert {(s.name, "fp32") for s in narrow} <= compared
+    assert {("fp16", t.name) for t in narrow[:4]} <= compared
+
+
+def test_shared_ranges_and_dtypes() -> None:
+    """A range is made once and cannot be written; dtype lookups are the lookup's."""
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("triton")
+    from triton.runtime import interpreter
+
+    from difftest.machine.interpreter import reuse_pure_results
+
+    assert reuse_pure_results()
+    builder = interpreter.InterpreterBuilder
+    first = builder.create_make_range(None, None, 4, 12).data
+    assert first is builder.create_make_range(None, None, 4, 12).data
+    assert np.array_equal(first, np.arange(4, 12, dtype=np.int32)) and first.dtype == np.int32
+    with pytest.raises(ValueError):
+        first[0] = 1
+    tl = interpreter.tl
+    lookup = interpreter._get_np_dtype
+    for tt in (tl.float32, tl.bfloat16, tl.int1, tl.float8e4nv, tl.pointer_type(tl.float16)):
+        assert lookup(tt) == lookup.__wrapped__(tt)

@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from difftest import cli
+from difftest.generation.generate import generated_cases
 from difftest.machine import pinning
 from difftest.machine.gpus import VISIBILITY_VARS
 from difftest.machine.pinning import FAKE_GPUS_ENV
 from difftest.reporting.report import case_records
 from difftest.run import jobs as jobs_module
-from difftest.run.jobs import auto_jobs, claimed, job_environments
+from difftest.run.jobs import auto_jobs, claim_units, claimed, job_environments, kernel_class
 from difftest.run.shard import comparable_case
 
 PLUGIN = Path(__file__).parent / "fake_backends.py"
@@ -76,6 +77,7 @@ def test_jobs_that_die_leave_crashes_in_the_report(tmp_path: Path) -> None:
 def test_jobs_are_counted_per_device_and_bad_counts_named(capsys, monkeypatch) -> None:
     for var in (FAKE_GPUS_ENV, *VISIBILITY_VARS):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(pinning.gpus, "physical_gpu_count", lambda: 0)
     assert cli._job_count(0, "cpu") == cli._job_count(0, "auto") == auto_jobs() >= 1
     assert cli._job_count(3, "cpu") == 3
@@ -88,6 +90,58 @@ def test_jobs_are_counted_per_device_and_bad_counts_named(capsys, monkeypatch) -
         with pytest.raises(SystemExit):
             cli.main(["run", "--jobs", bad])
         assert "allowed: an integer >= 1, or auto" in capsys.readouterr().err
+
+
+def test_jobs_auto_uses_the_cores_on_gpus_too(monkeypatch) -> None:
+    """One job per core, several sharing a GPU (at most 8 per GPU), at least one per GPU,
+    one per 3 GiB of host memory; on the CPU at most 8. Through the CLI from fake masks: the
+    jobs of one GPU are all pinned to it, those of a mask round-robin over its GPUs."""
+    big = 512 << 30
+    assert auto_jobs(1, cores=16, memory=big) == 8
+    assert auto_jobs(1, cores=4, memory=big) == 4
+    assert auto_jobs(2, cores=16, memory=big) == 16
+    assert auto_jobs(8, cores=128, memory=big) == 64
+    assert auto_jobs(4, cores=2, memory=big) == 4
+    assert auto_jobs(1, cores=16, memory=12 << 30) == 4
+    assert auto_jobs(0, cores=16, memory=big) == 8
+    assert auto_jobs(0, cores=2, memory=big) == 2
+    for var in VISIBILITY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(jobs_module, "_host_memory", lambda: 128 << 30)
+    monkeypatch.setenv(FAKE_GPUS_ENV, "nvidia:1")
+    assert cli._job_count(0, "auto") == cli._job_count(0, "cuda") == 8
+    assert cli._job_count(0, "cpu") == 8
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in job_environments(8, "auto")] == ["0"] * 8
+    monkeypatch.setenv(FAKE_GPUS_ENV, "amd:8")
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "2,5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert cli._job_count(0, "auto") == 16
+    assert [e["HIP_VISIBLE_DEVICES"] for e in job_environments(16, "auto")] == ["2", "5"] * 8
+
+
+def test_claim_units_keep_a_kernel_class_together_on_gpus_largest_first() -> None:
+    """On a GPU each unit holds one kernel class (split when it is a large share of the
+    work), so jobs compile different classes; on the CPU one run per unit. Either way every
+    run is in one unit and units go out largest first."""
+    cases = [case.replace(seed=seed) for case in generated_cases(8, 5) for seed in (1, 2, 3)]
+    runs = [(case, None if k % 3 else ("a", "b")) for k, case in enumerate(cases)]
+    widest = 2
+    work = [c.total_q * (len(n) if n else widest) for c, n in runs]
+    for by_class in (True, False):
+        units = claim_units(runs, 3, by_class)
+        assert sorted(i for unit in units for i in unit) == list(range(len(runs)))
+        sizes = [sum(work[i] for i in unit) for unit in units]
+        assert sizes == sorted(sizes, reverse=True)
+        if by_class:
+            assert all(len({kernel_class(runs[i][0]) for i in unit}) == 1 for unit in units)
+            classes = {kernel_class(c) for c, _ in runs}
+            assert len(classes) < len(runs)  # some class has several cases
+            assert len(units) >= len(classes)
+            share = sum(work) / (3 * jobs_module.UNITS_PER_JOB)
+            assert all(len(unit) == 1 or sizes[n] <= share for n, unit in enumerate(units))
+        else:
+            assert all(len(unit) == 1 for unit in units)
 
 
 def test_job_environments_pin_each_job_to_its_own_gpu_within_the_mask() -> None:
@@ -118,10 +172,12 @@ class _FinishedJob:
 
 def test_jobs_auto_with_four_gpus_starts_four_jobs_each_pinned_to_its_own(
         tmp_path: Path, monkeypatch, capsys) -> None:
-    """With fake masks of 4 GPUs, ``--jobs auto`` starts 4 jobs, job k pinned to GPU k-1."""
+    """With fake masks of 4 GPUs (and 4 cores), ``--jobs auto`` starts 4 jobs, job k pinned to
+    GPU k-1."""
     for var in VISIBILITY_VARS:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(FAKE_GPUS_ENV, "nvidia:4")
+    monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 4)
     started: list[_FinishedJob] = []
     monkeypatch.setattr(jobs_module.subprocess, "Popen",
                         lambda argv, **kw: started.append(_FinishedJob(argv, **kw))

@@ -76,6 +76,14 @@ def test_cuda_round_robin_and_mask() -> None:
     assert [p["CUDA_VISIBLE_DEVICES"] for p in plan] == ["GPU-aaaa", "GPU-bbbb"]
 
 
+def test_four_workers_share_one_gpu() -> None:
+    """``pytest -n 4`` on a one-GPU machine: every worker on it (compiling and running side
+    by side), as ``--jobs auto``'s jobs are (tests/test_jobs.py)."""
+    assert _plan(4, {}, 1, "nvidia") == [{"CUDA_VISIBLE_DEVICES": "0"}] * 4
+    assert _plan(4, {"CUDA_VISIBLE_DEVICES": "3"}, 8, "nvidia") == [
+        {"CUDA_VISIBLE_DEVICES": "3"}] * 4
+
+
 def test_cuda_ignores_rocm_variables() -> None:
     plan = _plan(2, {"HIP_VISIBLE_DEVICES": "7"}, 2, "nvidia")
     assert plan == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]

@@ -20,6 +20,12 @@ or 16-bit values (Triton 3.6 on the H200: "Currently fp64 don't support largeK M
 kernels read fp8 blocks as 32-bit words, four values each, and decode every byte to its
 float32 value with integer operations (:func:`_fp8_values`: exact, NaN bytes to NaN); other
 stored dtypes are read from float32 copies (:func:`readable`).
+
+Each kernel compiles once per stored format, block size and head size, whatever the case's
+shape: the row, head and segment counts are run-time arguments Triton does not specialize
+on, and the segment tables (views into one packed
+buffer, at offsets that vary from case to case) are not specialized on their alignment
+(:mod:`difftest.machine.kernel_compiles`; tests/test_kernel_specializations.py).
 """
 
 from __future__ import annotations
@@ -122,7 +128,8 @@ def _v_columns(D: tl.constexpr, FMT: tl.constexpr):
     return n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "width"],
+            do_not_specialize_on_alignment=["slots_ptr", "first_ptr", "tokens_ptr"])
 def _scores_kernel(q_ptr, qsq_ptr, k_ptr, slots_ptr, first_ptr, tokens_ptr, scores_ptr,
                    largest_ptr, num_heads, width, HB: tl.constexpr, B: tl.constexpr,
                    D: tl.constexpr, KC: tl.constexpr, FMT: tl.constexpr):
@@ -151,7 +158,8 @@ def _scores_kernel(q_ptr, qsq_ptr, k_ptr, slots_ptr, first_ptr, tokens_ptr, scor
     tl.store(largest_ptr + (r.to(tl.int64) * num_heads + h) * width + j, largest, mask=heads)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "width"],
+            do_not_specialize_on_alignment=["slots_ptr"])
 def _values_kernel(probs_ptr, v_ptr, slots_ptr, out_ptr, abs_ptr, num_heads, width,
                    HB: tl.constexpr, B: tl.constexpr, D: tl.constexpr, KC: tl.constexpr,
                    FMT: tl.constexpr):

@@ -4,10 +4,11 @@ Inside :func:`compiling`, AITER's device questions are answered for the arch
 (:func:`difftest.backends.aiter_triton.answering`: Triton's active driver reports
 ``GPUTarget("hip", arch, 64)``), and every launch ``kernel[grid](...)`` of a Triton or Gluon
 JIT function becomes ``kernel.run(..., grid=grid, warmup=True)``: Triton's AMD backend compiles
-the kernel for the arch and nothing runs. Triton's own on-disk cache (``$TRITON_CACHE_DIR``,
-default ``~/.triton/cache``) keeps each compiled specialization, so a later process pays for it
-once. Each launch is recorded as a :class:`RecordedLaunch` (the kernel, its grid, every
-argument by parameter name), and :func:`device_code` fingerprints the compiled kernel
+the kernel for the arch and nothing runs. Triton's own on-disk cache
+(``DIFFTEST_KERNEL_CACHE``, else ``$TRITON_CACHE_DIR``, default ``~/.triton/cache``) keeps each
+compiled specialization, so a later process pays for it once. Each launch is recorded as a
+:class:`RecordedLaunch` (the kernel, its grid, every argument by parameter name), and
+:func:`device_code` fingerprints the compiled kernel
 (:class:`difftest.contract.kernel_call.DeviceCode`). A kernel that does not compile raises
 :class:`KernelCompileError` with the compiler's diagnostics (MLIR prints them on the process's
 stderr, not into the exception). The tree's modules must be loaded with

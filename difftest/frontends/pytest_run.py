@@ -53,6 +53,8 @@ from difftest.judgement.expectations import Expectation, judge
 from difftest.judgement.expectations import load as load_expectations
 from difftest.machine import devices, pinning
 from difftest.machine.fingerprint import fingerprint
+from difftest.machine.kernel_compiles import describe, kernel_cache_dir
+from difftest.machine.kernel_compiles import merged as merged_compiles
 from difftest.primitives.jsonfile import dumps, loads
 from difftest.reporting.report import (
     Report,
@@ -551,6 +553,8 @@ class DifftestRun:
         (controller or single process)."""
         if self._capabilities is not None and self._capabilities.examples:
             self.log.write("generation", lines=self._capabilities.lines())
+        if self._session is not None:
+            self.log.write("compiles", stages=self._session.compiles.to_dict())
         if self.role == "worker":
             return
         lines = RunLog.read(self.run_dir)
@@ -593,6 +597,9 @@ class DifftestRun:
         for line in blind_spot_lines(self.report["config"].get("audit"), path,
                                      "--difftest-report PATH, then difftest audit PATH"):
             terminalreporter.write_line(line)
+        if self.report["config"].get("kernel_compiles") is not None:
+            terminalreporter.write_line(describe(self.report["config"]["kernel_compiles"],
+                                                 kernel_cache_dir()))
         terminalreporter.write_line(summary(self.report, coverage=False))
         judgement = judge(case_records(self.report), self.expectations())
         for line in judgement.lines():
@@ -641,6 +648,9 @@ def assemble_report(lines: list[dict[str, Any]], config_extra: dict[str, Any],
         for name, entry in line["backends"].items():
             backends.setdefault(name, entry)
     config = (sessions[0]["config"] if sessions else {}) | config_extra
+    compiles = [line["stages"] for line in lines if line["kind"] == "compiles"]
+    if compiles:  # every process's, added up
+        config["kernel_compiles"] = merged_compiles(compiles)
     stopped = [line for line in lines if line["kind"] == "interrupted"]
     if stopped:  # a partial report: the cases in flight neither finished nor crashed
         config["interrupted"] = {

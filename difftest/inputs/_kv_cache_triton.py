@@ -6,7 +6,10 @@ the interpreter needs no fp8 types and every value is the stored one bit for bit
 block, side and slot, the stored element if the slot holds data, else the poison's or NaN's
 bit pattern, at the slot's plain or shuffled address (:mod:`difftest.inputs.kv_cache`). One program
 writes ``BLOCK`` consecutive destination elements of one side of one block and gathers their
-sources, so its stores are contiguous.
+sources, so its stores are contiguous. It compiles once per element size, in-page order, side,
+canary mode and geometry: the block tables (views at any offset into one packed buffer) are
+not specialized on their alignment, nor the poison and NaN bit patterns on their values
+(tests/test_kernel_specializations.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import triton.language as tl
 from difftest.machine.devices import interpreted
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["poison", "nan"],
+            do_not_specialize_on_alignment=["ids_ptr", "written_ptr", "reach_ptr", "read_ptr"])
 def _attended_side_kernel(out_ptr, src_ptr, ids_ptr, written_ptr, reach_ptr, read_ptr,
                           block_stride, side_offset, poison, nan,
                           NKV: tl.constexpr, D: tl.constexpr, TOKENS: tl.constexpr,

@@ -41,9 +41,15 @@ def prepare_runtime(device: str) -> None:
     (else it disables Triton for want of a driver). The interpreter's numpy warnings on masked
     lanes and empty rows (which the kernels discard) are silenced; its re-patching of
     ``triton.language`` on nested calls and its overflow conditions that nothing checks are
-    skipped, and fp8 NaN/Inf bytes convert to NaN/Inf as on a GPU
-    (:mod:`difftest.machine.interpreter`).
+    skipped, fp8 NaN/Inf bytes convert to NaN/Inf as on a GPU, and the interpreter's pure
+    per-op lookups and conversions are computed once per argument
+    (:mod:`difftest.machine.interpreter`). On either device Triton keeps compiled kernels
+    where ``DIFFTEST_KERNEL_CACHE`` says
+    (:func:`difftest.machine.kernel_compiles.use_kernel_cache`).
     """
+    from difftest.machine.kernel_compiles import use_kernel_cache
+
+    use_kernel_cache()
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -51,6 +57,7 @@ def prepare_runtime(device: str) -> None:
                                 module="triton.runtime.interpreter")
         from difftest.machine.interpreter import (
             decode_fp8_specials,
+            reuse_pure_results,
             skip_dropped_overflow_checks,
             skip_nested_patching,
         )
@@ -58,6 +65,7 @@ def prepare_runtime(device: str) -> None:
         skip_nested_patching()
         skip_dropped_overflow_checks()
         decode_fp8_specials()
+        reuse_pure_results()
 
 
 def interpreted() -> bool:

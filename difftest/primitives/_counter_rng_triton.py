@@ -8,6 +8,11 @@ stored variant quantises in the same kernel as :func:`difftest.inputs.case_data.
 the CPU: a correctly rounded float32 division by the scale (``div_rn``; CUDA's ``/`` and a
 division by a scalar are not, F18), saturation at the format's maximum, and a
 round-to-nearest-even cast.
+
+The kernel compiles once per output dtype and quantisation: the key is never specialized on,
+nor the rows' alignment (a view at any offset); the row length keeps its divisibility by 16,
+which every case's has (head sizes are multiples of 16) and which lets the stores vectorise
+(tests/test_kernel_specializations.py).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-@triton.jit(do_not_specialize=["key"])
+@triton.jit(do_not_specialize=["key"], do_not_specialize_on_alignment=["rows_ptr"])
 def _normal_rows_kernel(out_ptr, rows_ptr, key, divisor, limit, row_length,
                         QUANTIZE: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0)

@@ -3,13 +3,19 @@ joined into one.
 
 On a machine with GPUs each job is pinned to one GPU as the pytest-xdist workers are
 (:func:`job_environments`, :func:`difftest.machine.pinning.assign`: round-robin within the mask the
-runner set), and ``--jobs auto`` runs one job per visible GPU. On the CPU,
-Triton's interpreter and the float64 reference run in one Python thread, so one process
-uses one core. Each job is ``difftest run`` with the same options plus ``--job K/N``: it
-builds the same case set (the corpus, the generated cases, the shard) and walks it in order,
-running each case it claims first (:func:`claimed`), so the jobs share the cases as they
-free up (a static split left one job 8 s behind the other on the main job); it writes
-pending files to the shared artifacts directory as any run does.
+runner set). ``--jobs auto`` (:func:`auto_jobs`) runs one job per core, on GPUs too: a job
+spends most of a case on one core (Python, launches, and Triton compiling each new kernel
+specialization), so several jobs per GPU compile distinct specializations on the other cores
+while the GPU runs cases already compiled. On the CPU, Triton's interpreter and the float64
+reference run in one Python thread, so one process uses one core. Each job is ``difftest
+run`` with the same options plus ``--job K/N``: it builds the same case set (the corpus, the
+generated cases, the shard) and walks the same units of it (:func:`claim_units`), running
+each unit it claims first (:func:`claimed`), so the jobs share the cases as they free up (a
+static split left one job 8 s behind the other on the main job); it writes pending files to
+the shared artifacts directory as any run does. On a GPU a unit is a run of cases of one
+kernel class (dtypes, geometry, modes: what selects the kernels' compiled code), so one job
+compiles a class's specializations while the others compile other classes'; units go out
+largest first, so no long one is left for the end.
 
 This process relays each job's lines prefixed ``[job K/N]``, turns the pending case of a job
 that died into a crash artifact (as the next run would), and merges the jobs' reports with
@@ -48,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from difftest.case.spec import Case
 from difftest.machine import pinning
 from difftest.machine.fingerprint import fingerprint
 from difftest.primitives.interrupts import Interrupted
@@ -59,12 +66,27 @@ from difftest.run.shard import merge_reports
 
 Run = TypeVar("Run")
 PARENT_ENV = "DIFFTEST_JOBS_PARENT"  # a job's parent's pid
-MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many (each job holds torch and vLLM)
+MAX_AUTO_JOBS = 8  # "auto" uses the cores, at most this many per GPU (or on the CPU)
+JOB_MEMORY = 3 << 30  # host memory a job may hold (torch, vLLM, a CUDA context, its caches)
+UNITS_PER_JOB = 4  # a kernel class is split into units of about 1/(jobs * this) of the work
 
 
-def auto_jobs() -> int:
-    """The jobs ``--jobs auto`` runs on the CPU: one per core, at most :data:`MAX_AUTO_JOBS`."""
-    return max(1, min(os.cpu_count() or 1, MAX_AUTO_JOBS))
+def auto_jobs(gpus: int = 0, cores: int | None = None, memory: int | None = None) -> int:
+    """The jobs ``--jobs auto`` runs with ``gpus`` GPUs visible (0: the CPU): one per core,
+    at most :data:`MAX_AUTO_JOBS` per GPU (or on the CPU) and one per :data:`JOB_MEMORY` of
+    host memory, and never fewer than one per GPU."""
+    cores = cores if cores is not None else os.cpu_count() or 1
+    memory = memory if memory is not None else _host_memory()
+    fits = max(1, memory // JOB_MEMORY) if memory else cores
+    return max(1, gpus, min(cores, MAX_AUTO_JOBS * max(1, gpus), fits))
+
+
+def _host_memory() -> int:
+    """Bytes of physical memory (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> int:
@@ -85,6 +107,41 @@ def job_environments(jobs: int, device: str, environ: dict[str, str] | None = No
     vendor, physical = pinning.detect(environ)
     mask = pinning.runner_mask(environ)
     return [pinning.assign(k, jobs, mask, physical, vendor, device) for k in range(jobs)]
+
+
+def kernel_class(case: Case) -> tuple[object, ...]:
+    """What selects the compiled code of a case's kernels: dtypes, geometry and modes, not
+    its sizes (rows, blocks, context lengths), which kernels take as run-time values."""
+    return (case.query_dtype, case.kv_dtype, case.kv_layout, case.head_dim, case.block_size,
+            case.page_size, case.num_q_heads, case.num_kv_heads, bool(case.softcap),
+            bool(case.sliding_window), case.canary, bool(case.q_scale), bool(case.query_lens),
+            case.decode_query_len > 1, case.split_k_segments, case.dense)
+
+
+def claim_units(runs: Sequence[tuple[Case, Sequence[str] | None]], jobs: int,
+                by_class: bool) -> list[list[int]]:
+    """The runs (by position) as the jobs claim them: units of runs, largest first (the work
+    of a run estimated as its query rows times the backends it runs on; ``None``: all).
+    ``by_class``: each unit holds runs of one :func:`kernel_class`, a class split into units
+    of about ``1 / (jobs * UNITS_PER_JOB)`` of the run's work; else one run per unit."""
+    widest = max((len(names) for _, names in runs if names is not None), default=1)
+    work = [case.total_q * (len(names) if names is not None else widest) for case, names in runs]
+    if not by_class:
+        return sorted(([i] for i in range(len(runs))), key=lambda unit: -work[unit[0]])
+    classes: dict[tuple[object, ...], list[int]] = {}
+    for i, (case, _) in enumerate(runs):
+        classes.setdefault(kernel_class(case), []).append(i)
+    share = sum(work) / max(1, jobs * UNITS_PER_JOB)
+    units: list[list[int]] = []
+    for members in classes.values():
+        unit: list[int] = []
+        for i in sorted(members, key=lambda i: -work[i]):
+            if unit and sum(work[j] for j in unit) + work[i] > share:
+                units.append(unit)
+                unit = []
+            unit.append(i)
+        units.append(unit)
+    return sorted(units, key=lambda unit: -sum(work[i] for i in unit))
 
 
 def claimed(runs: Iterable[Run], claims: Path) -> Iterator[Run]:

@@ -78,6 +78,16 @@ class RunPlan:
         return [(run.case, run.backends) for run in self.runs]
 
 
+def drawn_examples(capabilities: Capabilities, count: int, seed: int) -> list[Case]:
+    """The examples ``difftest run --examples count --seed seed`` draws over what the
+    backends run: ``count`` of the sparse family, then the dense family's share."""
+    from difftest.generation.dense import dense_examples
+    from difftest.generation.generate import generated_cases
+
+    return [*generated_cases(count, seed, capabilities.strategy),
+            *generated_cases(dense_examples(count), seed, capabilities.dense_strategy)]
+
+
 def case_set_line(counts: dict[str, int], shard: str | None = None, ran: int = 0) -> str:
     """The case count explained: ``133 cases: 6 corpus, 50 generated, 77 fitted variants``,
     and why a backend runs fewer cases than the total; with ``shard``, the ``ran`` cases of
@@ -94,20 +104,23 @@ def case_set_line(counts: dict[str, int], shard: str | None = None, ran: int = 0
     return line
 
 
-def execute(session: Session, plan: RunPlan, claims: Path | None = None
+def execute(session: Session, plan: RunPlan, claims: Path | None = None, jobs: int = 1
             ) -> Iterator[CaseResult]:
     """Run ``plan`` in ``session``, yielding each result as it is recorded; with ``claims``
-    (a job of ``--jobs``), only the runs this job claims first (:func:`difftest.run.jobs.claimed`).
+    (a job of ``--jobs``, one of ``jobs``), only the units of runs this job claims first
+    (:func:`difftest.run.jobs.claim_units`, :func:`difftest.run.jobs.claimed`).
 
     On a GPU a worker process prepares the next cases' host-side inputs
     (:meth:`Session.run_all`); on the CPU it would compete with the interpreted kernels for
     the cores, so the cases run one by one.
     """
-    from difftest.run.jobs import claimed
+    from difftest.run.jobs import claim_units, claimed
 
     pairs: Iterable[tuple[Case, tuple[str, ...] | None]] = plan.pairs()
     if claims is not None:
-        pairs = claimed(pairs, claims)
+        runs = plan.pairs()
+        units = claim_units(runs, jobs, by_class=session.device.type == "cuda")
+        pairs = (runs[i] for unit in claimed(units, claims) for i in unit)
     pairs = _between_signals(pairs)
     if session.device.type == "cuda":
         yield from session.run_all(pairs)
@@ -126,9 +139,11 @@ def _between_signals(pairs: Iterable[tuple[Case, tuple[str, ...] | None]]
 
 def session_report(session: Session, config: dict[str, Any],
                    earlier_crashes: Iterable[CaseRecord] = ()) -> Report:
-    """The report of every case ``session`` ran: its configuration plus ``config``, the
-    backends' entries, the fingerprint and the audit of the cases."""
+    """The report of every case ``session`` ran: its configuration plus ``config`` and the
+    kernel specializations it compiled, the backends' entries, the fingerprint and the audit
+    of the cases."""
     records = unique_cases(session.records)
+    config = config | {"kernel_compiles": session.compiles.to_dict()}
     return Report(session.environment, session.config() | config, session.backend_entries(),
                   records, audit_json(records, session.backends),
                   earlier_crashes=list(earlier_crashes))

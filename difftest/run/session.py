@@ -32,6 +32,7 @@ from difftest.judgement.expectations import Expectation, known_bug
 from difftest.judgement.expectations import load as load_expectations
 from difftest.machine import devices
 from difftest.machine.fingerprint import fingerprint
+from difftest.machine.kernel_compiles import KernelCompiles
 from difftest.reporting.report import backend_entry
 from difftest.results.artifacts import DEFAULT_ROOT, ArtifactStore
 from difftest.results.features import case_features
@@ -59,6 +60,18 @@ class StoreHooks(RunHooks):
         self.store.record_output(case, backend, output)
 
 
+class CompileHooks(RunHooks):
+    """Kernel compilations counted in the stage that launched them: the reference's or a
+    backend's call, else the framework's (:mod:`difftest.machine.kernel_compiles`)."""
+
+    def __init__(self, compiles: KernelCompiles) -> None:
+        self.compiles = compiles
+
+    def calling(self, case: Case, backend: str, stage: str) -> AbstractContextManager[None]:
+        """Count what ``backend``'s call compiles as its own."""
+        return self.compiles.stage(backend)
+
+
 @dataclass
 class Session:
     """Everything needed to run cases; collects their results and records."""
@@ -78,6 +91,8 @@ class Session:
     # the known kernel bugs (difftest.judgement.expectations): their disagreements are not diagnosed
     expectations: list[Expectation] = field(default_factory=load_expectations, repr=False,
                                             compare=False)
+    # the Triton specializations compiled (or, interpreted, that a GPU would compile) by stage
+    compiles: KernelCompiles = field(default_factory=KernelCompiles, repr=False, compare=False)
 
     @classmethod
     def create(
@@ -102,7 +117,9 @@ class Session:
             n for n in sorted(known) if n != reference]
         chosen = registry.select(known, [n for n in names if n != reference])
         store = ArtifactStore(artifacts, environment=fingerprint(resolved), plugins=plugins)
-        return cls(torch.device(resolved), ref, chosen, store, plugins)
+        session = cls(torch.device(resolved), ref, chosen, store, plugins)
+        session.compiles.start()
+        return session
 
     @property
     def environment(self) -> dict[str, Any]:
@@ -149,8 +166,10 @@ class Session:
         return self._pool
 
     def close(self) -> None:
-        """Stop the preparation worker, if one was started, and free the cache buffers."""
+        """Stop the preparation worker, if one was started, free the cache buffers and stop
+        counting compilations."""
         self.caches.clear()
+        self.compiles.stop()
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
@@ -162,7 +181,8 @@ class Session:
         host = None if prepared is None else prepared.host()
         result = run_case(case, self.reference, chosen, self.device, host, caches=self.caches,
                           diagnose=self._worth_diagnosing,
-                          hooks=[StoreHooks(self.store), *self.hooks])
+                          hooks=[StoreHooks(self.store), CompileHooks(self.compiles),
+                                 *self.hooks])
         # The case as begin serialised it and the features from generation's rows (or from
         # the worker): neither is built twice (at production shape each cost about 10 to
         # 25 ms per case).

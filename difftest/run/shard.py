@@ -73,11 +73,11 @@ def comparable_case(record: CaseRecord) -> str:
 
 
 def comparable_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A report's config without the shard, the processes that ran it, and the audit and the
-    reach of its cases (which differ between shards by design). ``case_set`` counts the whole
-    case set in every shard, so it is compared like the rest."""
+    """A report's config without the shard, the processes that ran it, and the audit, the
+    reach and the kernel compilations of its cases (which differ between shards by design).
+    ``case_set`` counts the whole case set in every shard, so it is compared like the rest."""
     return {k: v for k, v in config.items()
-            if k not in ("shard", "workers", "jobs", "audit", "reach")}
+            if k not in ("shard", "workers", "jobs", "audit", "reach", "kernel_compiles")}
 
 
 def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
@@ -144,6 +144,11 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         from difftest.judgement.audit import audit_json
 
         merged["config"]["audit"] = audit_json(merged["cases"], merged["config"]["backends"])
+    if any("kernel_compiles" in report["config"] for _, report in reports):
+        from difftest.machine.kernel_compiles import merged as merged_compiles
+
+        merged["config"]["kernel_compiles"] = merged_compiles(
+            [report["config"].get("kernel_compiles") or {} for _, report in reports])
     if any("reach" in report["config"] for _, report in reports):
         from difftest.results.reach import merge_reach
 
