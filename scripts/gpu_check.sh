@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|gluon|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|gluon|long|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report), and
@@ -12,11 +12,14 @@
 #        case, a float16 query on an fp8 cache: the kernel should fail to compile as
 #        vllm-aiter@compiled does);
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
+# long:  the long-context stratum (rows of 64k-256k tokens, caches past int32 element
+#        offsets) with the serving terms natively, and the kernel modes the CPU cannot
+#        interpret (fp8 queries) beside the serving terms in the main job's cases;
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI).
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|gluon|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|gluon|long|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -50,6 +53,10 @@ if [ "$part" = gluon ] || [ "$part" = all ]; then
   gluon=aiter-gluon,vllm-aiter,aiter-gluon@compiled,vllm-aiter@compiled
   step gluon "$py" -m difftest.cli run --device cuda --examples 40 \
     --backends "torch-ref,$gluon" --optional "$gluon" --report "$out/gluon.json"
+fi
+if [ "$part" = long ] || [ "$part" = all ]; then
+  step long "$py" -m pytest -q -rs -p no:cacheprovider tests/test_serving_terms.py \
+    -k natively
 fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider
