@@ -173,11 +173,28 @@ def test_every_kernel_that_takes_a_term_agrees_and_the_others_refuse_it(term: st
                            for t in case.serving_terms), outcome.detail
 
 
-def test_the_m3_decodes_refuse_the_terms_by_name() -> None:
+def test_the_m3_decodes_refuse_the_terms_by_name_but_the_gluon_adapter_takes_sinks() -> None:
+    """``pa_decode_gluon``'s contract has sinks: the adapter passes them (the emulator agrees,
+    one-shot and partitioned); vLLM's MiniMax-M3 paths and the portable decode refuse."""
+    from difftest.backends.aiter_gluon import AiterGluon
+    from difftest.backends.vllm_aiter import VllmAiter
     from difftest.backends.vllm_triton_sparse import VllmTritonSparse
 
-    reason = VllmTritonSparse().unsupported_reason(BASE.replace(sinks=True), CPU)
-    assert reason is not None and "sinks" in reason
+    case = BASE.replace(sinks=True, kv_dtype="float16", k_scale=1.0, v_scale=1.0,
+                        seq_lens=(1300, 77), num_blocks=16,
+                        block_tables=(tuple(range(2, 13)), (1,)),
+                        selections=((0, 3, 5, 10), (0, -1, -1, -1)))
+    for refusing in (VllmTritonSparse(), VllmAiter(emulated=True)):
+        reason = refusing.unsupported_reason(case, CPU)
+        assert reason is not None and "sinks" in reason
+    adapters = [AiterGluon(emulated=True),
+                AiterGluon(emulated=True).with_options({"splits": "1"})]
+    assert AiterGluon(emulated=True).unsupported_reason(case.replace(alibi=True), CPU)
+    result = run_case(case, TorchReference(), adapters, CPU, diagnose=False)
+    for outcome in result.results:
+        assert outcome.status is Status.AGREE, (outcome.backend, outcome.detail)
+        stated = {n: a for call in outcome.calls for n, a in call.arguments.items()}
+        assert stated["sinks"].label == "float32 [N]" and not stated["sinks"].fixed
 
 
 def test_the_cost_model_bounds_what_the_cpu_draws() -> None:
