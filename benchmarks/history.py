@@ -75,7 +75,12 @@ from packaging.version import InvalidVersion, Version
 
 from difftest.backends.vllm_paged_decode import loads_unread_slots_outside_the_window
 from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
-from difftest.case.selection import build_rows
+from difftest.case.selection import (
+    build_rows,
+    last_page_past_context,
+    read_slots,
+    window_page_before,
+)
 from difftest.case.spec import MODE_DEFAULTS, Case, CaseError
 from difftest.contract.backend import Backend, RunInputs
 from difftest.machine import devices
@@ -167,30 +172,15 @@ def max_abs_logit(case: Case) -> float:
     return float((query @ keys.T).abs().max()) * case.softmax_scale
 
 
-def _read_slots(case: Case) -> set[int]:
-    """The cache slots (``block * block_size + token``) some row reads, its window applied."""
-    read = set()
-    for row in build_rows(case):
-        ids = [seg.physical_block * case.block_size + t for seg in row.segments
-               for t in range(seg.tokens)]
-        read.update(ids[-case.sliding_window:] if case.sliding_window else ids)
-    return read
-
-
 def loads_unread_slots_past_the_context(case: Case) -> bool:
     """Whether, with ``canary``, some row's last page (``page_size`` tokens) holds slots past
     its context that no row reads (NaN there)."""
     if not case.canary:
         return False
-    read = _read_slots(case)
-    for row in build_rows(case):
-        if row.segments:
-            tail = row.segments[-1]
-            end = -(-tail.tokens // case.page_size) * case.page_size
-            base = tail.physical_block * case.block_size
-            if any(base + t not in read for t in range(tail.tokens, end)):
-                return True
-    return False
+    rows = build_rows(case)
+    read = read_slots(case, rows)
+    return any(span is not None and not read.issuperset(span.slots(case.block_size))
+               for span in (last_page_past_context(case, row) for row in rows))
 
 
 def loads_unread_slots_before_the_window(case: Case) -> bool:
@@ -198,16 +188,10 @@ def loads_unread_slots_before_the_window(case: Case) -> bool:
     some row's window starts holds slots before the window that no row reads (NaN there)."""
     if not (case.canary and case.sliding_window):
         return False
-    read = _read_slots(case)
-    for row in build_rows(case):
-        ids = [seg.physical_block * case.block_size + t for seg in row.segments
-               for t in range(seg.tokens)]
-        start = len(ids) - case.sliding_window
-        if start > 0:
-            page_start = start - start % case.page_size
-            if any(i not in read for i in ids[page_start:start]):
-                return True
-    return False
+    rows = build_rows(case)
+    read = read_slots(case, rows)
+    return any(span is not None and not read.issuperset(span.slots(case.block_size))
+               for span in (window_page_before(case, row) for row in rows))
 
 
 def _aiter_3d(case: Case) -> bool:

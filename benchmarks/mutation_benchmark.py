@@ -4,6 +4,8 @@
     python -m benchmarks.mutation_benchmark --quick    # a smoke run
     python -m benchmarks.mutation_benchmark --json out.json
     python -m benchmarks.mutation_benchmark --diagnosis 3   # the diagnosis's share only
+    python -m benchmarks.mutation_benchmark --diagnosis 3 --catalog mutants.kernel_faults \
+        --families sparse,dense                             # ... of other mutants, both families
 
 For every mutant of :mod:`mutants.catalog`:
 
@@ -46,7 +48,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -57,7 +59,7 @@ from hypothesis import strategies as st
 
 from difftest.case.spec import Case
 from difftest.generation.baseline import AITER_BATCH_SIZES, BASELINES
-from difftest.judgement.diagnosis import hypothesis_of
+from difftest.judgement.diagnosis import FAILED, hypothesis_of
 from difftest.machine import devices
 from difftest.primitives.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.primitives.jsonfile import write_json
@@ -136,10 +138,10 @@ def _prepare_worker(device: str) -> None:
     torch.set_num_threads(1)
 
 
-def _catalog() -> dict[str, Any]:
+def _catalog(module: str = CATALOG) -> dict[str, Any]:
     from difftest.contract.registry import load_plugin
 
-    return {m.name: m for m in load_plugin(CATALOG)}
+    return {m.name: m for m in load_plugin(module) if hasattr(m, "mutation")}
 
 
 def _reference() -> Any:
@@ -524,6 +526,7 @@ class Diagnosed:
     expected: str
     named: str | None
     first_line: str
+    family: str = "sparse"
 
     @property
     def correct(self) -> bool:
@@ -531,19 +534,36 @@ class Diagnosed:
         return self.named == self.expected
 
 
-def _diagnosis_task(name: str, device: str, examples: int, kills: int,
-                    seed: int) -> list[Diagnosed]:
-    """Up to ``kills`` disagreements of mutant ``name`` over the first ``examples`` cases
-    ``difftest run`` would give its backend, each with its diagnosis's first hypothesis."""
+def _family_strategy(mutant: Any, device: torch.device,
+                     family: str) -> Callable[..., st.SearchStrategy[Case]]:
+    """What ``difftest run`` gives ``mutant``'s backend of one case family, as
+    :func:`~difftest.generation.generate.generated_cases` takes it (a function of the
+    example's cover): each example, or its nearest variant the backend runs."""
     from difftest.generation.capabilities import Capabilities
+
+    capabilities = Capabilities.probe([mutant], device)
+    if family == "sparse":
+        return capabilities.fitted_strategy
+
+    def dense(**options: Any) -> st.SearchStrategy[Case]:
+        return capabilities.dense_strategy(**options).map(
+            lambda case: capabilities.fit(case)[0].case)
+
+    return dense
+
+
+def _diagnosis_task(name: str, device: str, examples: int, kills: int, seed: int,
+                    catalog: str, family: str) -> list[Diagnosed]:
+    """Up to ``kills`` disagreements of mutant ``name`` over the first ``examples`` cases of
+    ``family`` that ``difftest run`` would give its backend, each with its diagnosis's first
+    hypothesis."""
     from difftest.generation.generate import generated_cases
 
-    mutant = _catalog()[name]
+    mutant = _catalog(catalog)[name]
     dev = torch.device(device)
     reference = _reference()
     found: list[Diagnosed] = []
-    fitted = Capabilities.probe([mutant], dev).fitted_strategy
-    for case in generated_cases(examples, seed, fitted):
+    for case in generated_cases(examples, seed, _family_strategy(mutant, dev, family)):
         if len(found) >= kills:
             break
         if not mutant.mutation.reachable(case):
@@ -554,40 +574,46 @@ def _diagnosis_task(name: str, device: str, examples: int, kills: int,
         lines = result.comparison.diagnosis
         found.append(Diagnosed(name, case.case_id, mutant.mutation.diagnosis,
                                hypothesis_of(lines[0]) if lines else None,
-                               lines[0] if lines else ""))
+                               lines[0] if lines else "", family))
     return found
 
 
 def diagnosis_share(device: str, examples: int, kills: int, workers: int,
-                    seed: int = SEED) -> list[Diagnosed]:
-    """The caught disagreements of every mutant that declares a diagnosis, in catalogue
-    order (:func:`_diagnosis_task`, ``workers`` processes)."""
+                    seed: int = SEED, catalog: str = CATALOG,
+                    families: Sequence[str] = ("sparse",)) -> list[Diagnosed]:
+    """The caught disagreements of every mutant of ``catalog`` that declares a diagnosis, in
+    catalogue order, per case family (:func:`_diagnosis_task`, ``workers`` processes)."""
     devices.prepare_runtime(device)
-    names = [n for n, m in _catalog().items() if m.mutation.diagnosis
+    names = [n for n, m in _catalog(catalog).items() if m.mutation.diagnosis
              and m.availability().available]
+    tasks = [(n, f) for n in names for f in families]
     with concurrent.futures.ProcessPoolExecutor(
             workers, mp_context=multiprocessing.get_context("spawn"),
             initializer=_prepare_worker, initargs=(device,)) as pool:
-        parts = pool.map(_diagnosis_task, names, [device] * len(names),
-                         [examples] * len(names), [kills] * len(names), [seed] * len(names))
+        parts = pool.map(_diagnosis_task, [n for n, _ in tasks], [device] * len(tasks),
+                         [examples] * len(tasks), [kills] * len(tasks), [seed] * len(tasks),
+                         [catalog] * len(tasks), [f for _, f in tasks])
         return [d for part in parts for d in part]
 
 
 def format_diagnosis_share(found: Sequence[Diagnosed]) -> str:
-    """Per mutant: caught disagreements and how many the diagnosis names; the share."""
-    width = max([len(d.mutant) for d in found] + [6])
-    lines = [f"{'mutant':<{width}}  caught  named  expected / first named (wrong ones)"]
+    """Per mutant (and family, where there are several): caught disagreements and how many
+    the diagnosis names; the share."""
+    several = len({d.family for d in found}) > 1
     by_mutant: dict[str, list[Diagnosed]] = {}
     for d in found:
-        by_mutant.setdefault(d.mutant, []).append(d)
+        by_mutant.setdefault(f"{d.mutant} ({d.family})" if several else d.mutant, []).append(d)
+    width = max([len(k) for k in by_mutant] + [6])
+    lines = [f"{'mutant':<{width}}  caught  named  expected / first named (wrong ones)"]
     for name, items in by_mutant.items():
         wrong = sorted({str(d.named) for d in items if not d.correct})
         lines.append(f"{name:<{width}}  {len(items):>6}  {sum(d.correct for d in items):>5}  "
                      f"{items[0].expected}" + (f" / {', '.join(wrong)}" if wrong else ""))
     named = sum(d.correct for d in found)
     share = f"{100 * named / len(found):.0f}%" if found else "-"
+    failed = sum(d.first_line.startswith(FAILED) for d in found)
     lines.append(f"diagnosis names the planted bug in {named} of {len(found)} caught "
-                 f"disagreements ({share})")
+                 f"disagreements ({share}); diagnosis failed on {failed}")
     return "\n".join(lines)
 
 
@@ -608,16 +634,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="only measure the diagnosis: up to KILLS caught disagreements "
                         "per mutant (over --examples cases each), and the share it names")
     parser.add_argument("--examples", type=int, default=40,
-                        help="cases per mutant for --diagnosis (default 40)")
+                        help="cases per mutant and family for --diagnosis (default 40)")
+    parser.add_argument("--catalog", default=CATALOG,
+                        help=f"the mutants' module for --diagnosis (default {CATALOG})")
+    parser.add_argument("--families", default="sparse",
+                        help="case families for --diagnosis: sparse, dense or sparse,dense "
+                        "(default sparse)")
     args = parser.parse_args(argv)
     device = devices.resolve(args.device)
     workers = args.workers or ((os.cpu_count() or 1) if device == "cpu" else 1)
     if args.diagnosis:
-        found = diagnosis_share(device, args.examples, args.diagnosis, workers)
+        families = tuple(f for f in args.families.split(",") if f)
+        unknown = sorted(set(families) - {"sparse", "dense"})
+        if unknown or not families:
+            parser.error(f"--families: {', '.join(unknown) or 'empty'}: allowed sparse, dense")
+        found = diagnosis_share(device, args.examples, args.diagnosis, workers,
+                                catalog=args.catalog, families=families)
         print(format_diagnosis_share(found))
         if args.json:
             write_json(args.json, {"device": device, "examples": args.examples,
-                                   "kills": args.diagnosis,
+                                   "kills": args.diagnosis, "catalog": args.catalog,
+                                   "families": list(families),
                                    "diagnosed": [asdict(d) | {"correct": d.correct}
                                                  for d in found]})
         return 0

@@ -29,6 +29,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
     # what a backend states about each kernel call it makes
     "difftest.contract.kernel_call": (
         "kernel_call", "KernelCall", "length_classes", "id_classes", "scale_class"),
+    # what a backend states so that `difftest export` can write its call as a script
+    "difftest.contract.exported_call": ("ExportedCall", "KernelImport"),
     # registration and options in names
     "difftest.contract.registry": (
         "ENTRY_POINT_GROUP", "OptionSpec", "RegistryError", "discover", "select",

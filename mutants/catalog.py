@@ -24,7 +24,7 @@ import torch
 from difftest import Backend, CacheViews, Case, Precision, SparseRow
 from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case.selection import build_rows
+from difftest.case.selection import before_window, build_rows
 from mutants.injection import MutantBackend, Mutation, Table
 
 PAGE_ID_MASK_16_BITS = 0xFFFF
@@ -47,7 +47,8 @@ def _mtp_rows(case: Case) -> list[int]:
 
 
 def _packed(case: Case) -> bool:
-    return case.kv_layout == "LBHNC"
+    """Whether the case's layout holds K and V sides in one plane of page ids (LBHNC)."""
+    return case.layout.v_page_offset(case) > 0
 
 
 def _unselected_page(case: Case) -> tuple[int, int] | None:
@@ -70,9 +71,8 @@ def _unselected_page(case: Case) -> tuple[int, int] | None:
 
 
 def _window_cuts(case: Case) -> bool:
-    """Whether the sliding window leaves out a token some row attends."""
-    return bool(case.sliding_window) and any(
-        row.context_len > case.sliding_window for row in build_rows(case))
+    """Whether the sliding window leaves out a token of some row's context."""
+    return any(before_window(case, row) for row in build_rows(case))
 
 
 # ----- page-table bugs ---------------------------------------------------------------------
@@ -118,19 +118,20 @@ def _read_unselected_page(case: Case, sparse: Table) -> Table:
 
 
 # ----- cache-view bugs ---------------------------------------------------------------------
-def _v_offset(pages: int) -> Callable[[Case, CacheViews], CacheViews]:
-    """The packed V view re-sliced ``pages`` pages into the block instead of 8."""
+def _v_offset(delta: int) -> Callable[[Case, CacheViews], CacheViews]:
+    """The packed V view re-sliced ``delta`` pages off the K side's end (7 or 9 pages into a
+    128-token block of 16-token pages instead of 8)."""
 
     def hook(case: Case, views: CacheViews) -> CacheViews:
         if not _packed(case):
             return views
         v = views.v
-        shift = (pages - views.v_page_offset) * v.stride(0)
+        shift = delta * v.stride(0)
         flat = views.raw.reshape(-1)
         if shift > 0:  # the view now ends past the cache: a NaN guard page, as unread pages are
             flat = torch.cat([flat, flat.new_full((shift,), float("nan"))])
         shifted = flat.as_strided(v.shape, v.stride(), v.storage_offset() + shift)
-        return dataclasses.replace(views, v=shifted, v_page_offset=pages)
+        return dataclasses.replace(views, v=shifted, v_page_offset=views.v_page_offset + delta)
 
     return hook
 
@@ -178,10 +179,12 @@ def _heads_shifted(case: Case, out: torch.Tensor) -> torch.Tensor:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("v-offset-7", "packed V view starts 7 pages into the block instead of 8",
-             cache=_v_offset(7), applies_to=_packed, diagnosis="v-view-offset-7"),
-    Mutation("v-offset-9", "packed V view starts 9 pages into the block instead of 8",
-             cache=_v_offset(9), applies_to=_packed, diagnosis="v-view-offset-9"),
+    Mutation("v-offset-7", "packed V view starts 7 pages into the block instead of 8 (one "
+             "page early, at any geometry)", cache=_v_offset(-1), applies_to=_packed,
+             diagnosis="v-view-offset-7"),
+    Mutation("v-offset-9", "packed V view starts 9 pages into the block instead of 8 (one "
+             "page late, at any geometry)", cache=_v_offset(1), applies_to=_packed,
+             diagnosis="v-view-offset-9"),
     Mutation("page-stride-8", "block page stride 8 for packed sides (ids block*8+j, not *16)",
              sparse_table=_stride_8, applies_to=_packed, diagnosis="page-stride-8"),
     Mutation("tail-short-by-one", "the tail block's length is one token short",

@@ -47,6 +47,7 @@ import torch
 from hypothesis import settings
 
 from difftest.backends.torch_ref import TorchReference
+from difftest.case.selection import window_start
 from difftest.case.spec import Case
 from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.contract.compare import compare
@@ -94,7 +95,7 @@ def emulated_kernel(inputs: RunInputs) -> torch.Tensor:
     ordinal = torch.arange(length)[None]
     mask = ordinal < ctx[:, None].long()
     if case.sliding_window:
-        mask &= ordinal >= ctx[:, None].long() - case.sliding_window
+        mask &= ordinal >= window_start(ctx[:, None].long(), case.sliding_window)
     k = (k.float() * case.k_scale).to(work).float()
     v = (v.float() * case.v_scale).to(work).float()
     v = torch.where(mask[:, :, None], v, 0.0)

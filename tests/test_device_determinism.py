@@ -26,7 +26,7 @@ def test_gpu_inputs_equal_cpu_inputs_bit_for_bit(case) -> None:
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), order
     for a, b in zip(cpu.sparse_table, gpu.sparse_table, strict=True):
         assert torch.equal(a, b.cpu())
-    for name in ("slots", "tokens", "starts", "context_lens"):
+    for name in ("slots", "tokens", "first", "context_lens"):
         a, b = getattr(cpu.data.segments, name), getattr(gpu.data.segments, name)
         assert b.device.type == "cuda" and torch.equal(a, b.cpu()), name
     assert torch.equal(cpu.data.block_ids, gpu.data.block_ids.cpu())

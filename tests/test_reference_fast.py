@@ -21,6 +21,7 @@ from hypothesis import given, settings
 
 from difftest.backends import torch_ref
 from difftest.backends.torch_ref import TorchReference
+from difftest.case.selection import window_start
 from difftest.case.spec import MODE_DEFAULTS, SERVING_TERM_FIELDS, Case
 from difftest.contract.backend import Precision, RunInputs
 from difftest.contract.tolerance import Reference, Tolerance
@@ -60,7 +61,7 @@ def chunked_reference(inputs: RunInputs) -> Reference:
         ordinal = torch.arange(length)[None]
         mask = ordinal < ctx[start:stop, None]
         if case.sliding_window:
-            mask &= ordinal >= ctx[start:stop, None] - case.sliding_window
+            mask &= ordinal >= window_start(ctx[start:stop, None], case.sliding_window)
         mask = mask.to(device)
         k = keys[index]
         v = values[index]

@@ -50,10 +50,8 @@ def float64_reference(inputs: RunInputs) -> Reference:
         rows = slice(start, min(start + rows_per_chunk, case.total_q))
         slots = seg.slots[rows]
         n = slots.shape[0]
-        mask = token < seg.tokens[rows, :, None]  # [R, width, 128]
-        if case.sliding_window:
-            ordinal = seg.starts[rows, :, None] + token
-            mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
+        # [R, width, 128]: each segment's attended tokens (the window applied)
+        mask = (token >= seg.first[rows, :, None]) & (token < seg.tokens[rows, :, None])
         mask = mask.view(n, 1, length)
         k = k_stored[slots].to(f64).view(n, length, -1)  # [R, L, D] stored values
         q = query[rows]  # [R, H, D]

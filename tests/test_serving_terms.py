@@ -76,10 +76,11 @@ def _token_by_token(case: Case, inputs: RunInputs) -> torch.Tensor:
             for j, (i, t) in enumerate(tokens):
                 if case.sliding_window and j < n - case.sliding_window:
                     continue
-                k, v = data.k_stored[i, t, 0].double(), data.v_stored[i, t, 0].double()
+                g = h // case.queries_per_kv
+                k, v = data.k_stored[i, t, g].double(), data.v_stored[i, t, g].double()
                 if case.kv_quant == "per_token_head":
-                    k, v = k * float(data.k_token_scales[i, t, 0]), v * float(
-                        data.v_token_scales[i, t, 0])
+                    k, v = k * float(data.k_token_scales[i, t, g]), v * float(
+                        data.v_token_scales[i, t, g])
                 else:
                     k, v = k * case.k_scale, v * case.v_scale
                 s = float(q @ k) * case.softmax_scale
@@ -98,9 +99,17 @@ def _token_by_token(case: Case, inputs: RunInputs) -> torch.Tensor:
     return out
 
 
+# vLLM's split cache, two KV heads, 32-token blocks: a dense request of 100 tokens
+SPLIT = Case(num_blocks=8, seq_lens=(100,), block_tables=((5, 2, 7, 1),),
+             selections=((0, 1, 2, 3),), num_q_heads=4, num_kv_heads=2, head_dim=64,
+             block_size=32, page_size=32, kv_layout="split", dense=True,
+             kv_dtype="float8_e4m3fn", k_scale=0.5, v_scale=2.0, seed=5)
+
+
+@pytest.mark.parametrize("base", [BASE, SPLIT], ids=["lbhnc", "split-2-kv-heads"])
 @pytest.mark.parametrize("term", list(TERMS))
-def test_the_reference_is_the_token_by_token_attention(term: str) -> None:
-    case = BASE.replace(**TERMS[term])
+def test_the_reference_is_the_token_by_token_attention(term: str, base: Case) -> None:
+    case = base.replace(**TERMS[term])
     inputs = RunInputs(case, CPU)
     reference = TorchReference().reference(inputs)
     expected = _token_by_token(case, inputs)

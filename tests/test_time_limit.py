@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -9,9 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import time_limit_from_env
-
 ROOT = Path(__file__).resolve().parent.parent
+# the checkout's conftest.py (tests/conftest.py is another module of that name)
+_spec = importlib.util.spec_from_file_location("checkout_conftest", ROOT / "conftest.py")
+assert _spec is not None and _spec.loader is not None
+_checkout_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_checkout_conftest)
+time_limit_from_env = _checkout_conftest.time_limit_from_env
 ENDLESS_SEARCH = '''
 import time
 from hypothesis import given, settings, strategies as st

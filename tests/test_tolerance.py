@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from difftest.backends.torch_ref import TorchReference
 from difftest.case.casefile import read_case
-from difftest.contract.backend import Precision, RunInputs
+from difftest.case.selection import window_start
+from difftest.case.spec import Case
+from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.contract.registry import discover
 from difftest.contract.tolerance import FACTOR, LOGIT_SIGMAS, VALUE_BOUND, Reference, Tolerance
 from difftest.primitives.dtypes import underflow_unit
@@ -142,6 +146,72 @@ def test_subnormal_outputs_of_the_issue_case_agree_and_need_the_stage_count() ->
     assert bool((error <= tolerance.bound(truth)).all())
     result = run_case(case, TorchReference(), [backend], torch.device("cpu"))
     assert result.results[0].status is Status.AGREE, result.results[0].detail
+
+
+class FlushingSdpa:
+    """A plug-in over torch's ``scaled_dot_product_attention`` (float32, on the plain page
+    views through the sparse table) that stores its output flush-to-zero, and declares it in
+    its precision when ``declares``."""
+
+    name = "sdpa"
+    in_page_orders = ("plain",)
+
+    def __init__(self, declares: bool) -> None:
+        self.declares = declares
+
+    def availability(self) -> Availability:
+        return Availability(True)
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        return "scaled_dot_product_attention has no softcap" if case.softcap else None
+
+    def precision(self, case: Case, device: torch.device) -> Precision:
+        return Precision("float32", "float32", "float32",
+                         flushes_subnormal_outputs=self.declares)
+
+    def empty_row_output(self, case: Case) -> EmptyRowOutput:
+        return EmptyRowOutput.ZERO
+
+    def versions(self) -> dict[str, str]:
+        return {"torch": torch.__version__}
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        case, views = inputs.case, inputs.cache("plain")
+        table, ctx = inputs.sparse_table
+        out = torch.zeros((case.total_q, case.num_q_heads, case.head_dim), dtype=torch.float32)
+        for n, length in enumerate(ctx.tolist()):
+            if not length:
+                continue
+            pages = table[n, : -(-length // case.page_size)].long()
+            first = window_start(length, case.sliding_window)
+            k, v = (view[pages].flatten(0, 1)[first:length].float() * scale
+                    for view, scale in ((views.k, case.k_scale), (views.v, case.v_scale)))
+            q = inputs.data.query[n].float()  # [Hq, D]
+            out[n] = F.scaled_dot_product_attention(
+                q[None, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                scale=case.softmax_scale, enable_gqa=True)[0, :, 0]
+        return torch.where(out.abs() < torch.finfo(torch.float32).smallest_normal, 0.0, out)
+
+
+def test_a_declared_flush_to_zero_of_outputs_agrees_undeclared_fails() -> None:
+    """The corpus case's outputs of 8.1e-40 flushed to 0: a disagreement far past the
+    tolerance (error/tolerance 230) unless the backend declares the flush."""
+    from difftest.generation.corpus import load_corpus
+
+    case = next(c for c in load_corpus() if c.name == SUBNORMAL_CASE)
+    cpu = torch.device("cpu")
+
+    def outcome(declares: bool) -> Any:
+        return run_case(case, TorchReference(), [FlushingSdpa(declares)], cpu).results[0]
+
+    undeclared = outcome(declares=False)
+    assert undeclared.status is Status.DISAGREE
+    assert undeclared.comparison.max_ratio > 100
+    worst = undeclared.comparison.worst[0]
+    assert worst.actual == 0 and 0 < abs(worst.expected) < torch.finfo(torch.float32).tiny
+    declared = outcome(declares=True)
+    assert declared.status is Status.AGREE, declared.detail
+    assert "subnormal outputs flushed to zero" in declared.comparison.tolerance
 
 
 def _flash_decode(logits: np.ndarray, values: np.ndarray, tile: int, segments: int,

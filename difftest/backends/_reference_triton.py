@@ -123,20 +123,16 @@ def _v_columns(D: tl.constexpr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _scores_kernel(q_ptr, qsq_ptr, k_ptr, slots_ptr, tokens_ptr, starts_ptr, ctx_ptr,
-                   scores_ptr, largest_ptr, window, num_heads, width, WINDOW: tl.constexpr,
-                   HB: tl.constexpr, B: tl.constexpr, D: tl.constexpr, KC: tl.constexpr,
-                   FMT: tl.constexpr):
+def _scores_kernel(q_ptr, qsq_ptr, k_ptr, slots_ptr, first_ptr, tokens_ptr, scores_ptr,
+                   largest_ptr, num_heads, width, HB: tl.constexpr, B: tl.constexpr,
+                   D: tl.constexpr, KC: tl.constexpr, FMT: tl.constexpr):
     r = tl.program_id(0)
     j = tl.program_id(1)
     h = tl.program_id(2) * HB + tl.arange(0, HB)
     t = tl.arange(0, B)
     seg = r.to(tl.int64) * width + j
     slot = tl.load(slots_ptr + seg)
-    valid = t < tl.load(tokens_ptr + seg)
-    if WINDOW:
-        ordinal = tl.load(starts_ptr + seg) + t
-        valid &= ordinal >= tl.load(ctx_ptr + r) - window
+    valid = (t >= tl.load(first_ptr + seg)) & (t < tl.load(tokens_ptr + seg))
     heads = h < num_heads
     q_row = (r.to(tl.int64) * num_heads + h[:, None]) * D
     logits = tl.zeros((HB, B), dtype=tl.float64)
@@ -180,20 +176,19 @@ def _values_kernel(probs_ptr, v_ptr, slots_ptr, out_ptr, abs_ptr, num_heads, wid
 
 
 def scores_and_largest(query: torch.Tensor, query_sq: torch.Tensor, k: Stored,
-                       slots: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
-                       context_lens: torch.Tensor, window: int
+                       slots: torch.Tensor, first: torch.Tensor, tokens: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[R, H, width * B]`` float64 unscaled logits ``q . k`` (``-inf`` where masked) and
     ``[R, H, width]`` float32 largest ``q^2 . k^2`` of rows ``query`` (``[R, H, D]``,
-    float64) over the blocks ``k[slots]`` (:func:`readable`)."""
+    float64) over the blocks ``k[slots]`` (:func:`readable`), each block's tokens
+    ``first <= t < tokens`` attended (:class:`~difftest.inputs.case_data.Segments`)."""
     rows, heads, dim = query.shape
     width, block = slots.shape[1], k.values.shape[1]
     scores = torch.empty((rows, heads, width * block), dtype=torch.float64, device=query.device)
     largest = torch.empty((rows, heads, width), dtype=torch.float32, device=query.device)
     grid = (rows, width, triton.cdiv(heads, HEADS))
-    _scores_kernel[grid](query, query_sq, k.values, slots, tokens, starts, context_lens, scores,
-                         largest, window, heads, width, WINDOW=bool(window), HB=HEADS, B=block,
-                         D=dim, KC=CHUNK, FMT=k.fmt)
+    _scores_kernel[grid](query, query_sq, k.values, slots, first, tokens, scores, largest,
+                         heads, width, HB=HEADS, B=block, D=dim, KC=CHUNK, FMT=k.fmt)
     return scores, largest
 
 

@@ -303,3 +303,59 @@ def chosen_source(option: str | None) -> tuple[AiterSource | None, str]:
                       f"{Path(sys.prefix) / WHEEL_DIR} (bash scripts/setup.sh unpacks "
                       f"amd-aiter's wheel there), no aiter= option or ${SOURCE_ENV}")
     return found, ""
+
+
+def load_aiter_kernel(tree: str | None, device: str, modules: list[str], name: str,
+                      arch: str, compute_units: int) -> object:
+    """``name`` of the first of AITER's ``modules`` that exists: of the installed ``aiter``,
+    or of the tree at ``tree`` (a directory holding ``aiter/``, or that directory), whose
+    directories become empty packages so that ``aiter/__init__`` (which needs ROCm) never
+    runs. On the CPU (``device == "cpu"``, Triton's interpreter) AITER's questions about the
+    GPU are answered as :class:`DeviceAnswers` answers them: Triton's active driver reports
+    ``hip/<arch>`` and ``device_info.get_num_sms()`` returns ``compute_units``.
+    Self-contained: ``difftest export`` copies it into its scripts
+    (:mod:`difftest.contract.exported_call`).
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    if not tree and importlib.util.find_spec("aiter") is None:
+        raise ImportError("AITER is not installed here: install amd-aiter, or pass --tree DIR "
+                          "(a directory holding aiter/, e.g. an unpacked wheel or a checkout)")
+    if tree:
+        root = Path(tree).expanduser().resolve()
+        root = root if root.name == "aiter" else root / "aiter"
+        if not (root / "ops" / "triton").is_dir():
+            raise ImportError(f"--tree {tree}: no AITER package with ops/triton at {root}")
+        for directory in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+            package = ".".join(("aiter", *directory.relative_to(root).parts))
+            module = types.ModuleType(package)
+            module.__path__ = [str(directory)]
+            sys.modules[package] = module
+    if device == "cpu":
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+
+        class Answers:
+            def get_current_target(self) -> object:
+                return GPUTarget("hip", arch, 64)
+
+            def get_current_device(self) -> int:
+                return 0
+
+        driver.set_active(Answers())
+        try:
+            info = importlib.import_module("aiter.ops.triton.utils.device_info")
+            info.get_num_sms = lambda: compute_units
+        except ModuleNotFoundError:
+            pass  # a release that does not ask
+    for module_name in modules:
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module_name.startswith(err.name):
+                raise
+    raise ImportError(f"AITER has none of {', '.join(modules)}")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from difftest.case.selection import window_start
+
 LOG2E = 1.4426950408889634
 MASKED_LOGIT = -3.4e38
 # Work per sequence chunk: bounds the float32 temporaries to about 64 MiB each.
@@ -149,11 +151,11 @@ def _run_chunk(
 
     # Visibility of token t to row e = i*G + g: inside its slot, causal and window (§3.1, §3.5).
     ext = (qlen - 1 - torch.arange(rows, device=device) // group)[None, :, None]
-    shifted = ext + flat_pos[:, None, :]  # [n, E, T]
-    visible = flat_used[:, None, :] & (shifted < context[:, None, None])
+    causal = context[:, None, None] - ext  # [n, E, 1]: the tokens query i may see
+    visible = flat_used[:, None, :] & (flat_pos[:, None, :] < causal)  # [n, E, T]
     if launch.sliding_window > 0:
-        lower = context - launch.sliding_window + qlen
-        visible &= shifted >= lower[:, None, None]
+        # §3.5: the window of a query placed qlen positions past its causal context
+        visible &= flat_pos[:, None, :] >= window_start(causal + qlen, launch.sliding_window)
     visible = visible[:, None]  # [n, 1, E, T]
     shape5 = (n, hkv, rows, num_parts, width)
     logits = torch.where(visible, logits, MASKED_LOGIT).view(shape5)

@@ -83,7 +83,7 @@ class TorchReference:
         mode = _Mode(case.block_size,
                      case.softmax_scale * (1.0 if token_scales else case.k_scale),
                      1.0 if token_scales else case.v_scale,
-                     case.softcap, case.sliding_window,
+                     case.softcap,
                      max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim)),
                      case.sinks, case.alibi, token_scales)
         heads = _head_terms(case, device)
@@ -99,7 +99,7 @@ class TorchReference:
                 k = _dequantised(k, data.k_token_scales, g)
                 v = _dequantised(v, data.v_token_scales, g)
             args = (query, k.contiguous(), v.contiguous(),
-                    seg.slots, seg.tokens, seg.starts, seg.context_lens,
+                    seg.slots, seg.tokens, seg.first, seg.context_lens,
                     heads[g * group:(g + 1) * group].contiguous())
             parts.append(_GRAPHS(_sums, args, mode))
         out, abs_out, magnitude = (torch.cat(p, dim=1) if len(parts) > 1 else p[0]
@@ -151,7 +151,9 @@ def _serving_softmax(mode: _Mode, scores: torch.Tensor, heads: torch.Tensor,
     each head's sink in the denominator; plain softmax without them."""
     if mode.alibi:
         token = torch.arange(mode.block_size, device=scores.device)
-        ordinal = (seg.starts[rows, :, None] + token).view(scores.shape[0], 1, -1)
+        tokens = seg.tokens[rows]  # each segment's context tokens, the window's included
+        starts = tokens.cumsum(dim=1) - tokens  # the row's ordinal of each segment's token 0
+        ordinal = (starts[:, :, None] + token).view(scores.shape[0], 1, -1)
         offset = ordinal - (seg.context_lens[rows, None, None] - 1)
         scores = scores + heads[None, :, 1, None] * offset.to(scores.dtype)
     if not mode.sinks:
@@ -167,7 +169,6 @@ class _Mode(NamedTuple):
     logit_scale: float
     v_scale: float
     softcap: float
-    sliding_window: int
     rows_per_chunk: int
     sinks: bool = False
     alibi: bool = False
@@ -178,13 +179,13 @@ _GRAPHS = GraphCache(capacity=2, copy_outputs=True)
 
 
 def _sums(query: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
-          slots: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor,
+          slots: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor,
           context_lens: torch.Tensor, heads: torch.Tensor,
           mode: _Mode) -> tuple[torch.Tensor, ...]:
     """The reference's output, ``sum p|v| * v_scale`` and logit magnitudes, by chunks of
     rows; a pure function of its tensors and ``mode``, with no host synchronisation."""
     f64, f32 = torch.float64, torch.float32
-    seg = Segments(slots, tokens, starts, context_lens)
+    seg = Segments(slots, tokens, first, context_lens)
     total_q = query.shape[0]
     out = torch.zeros(query.shape, dtype=f64, device=query.device)
     abs_out = torch.zeros(query.shape, dtype=f64, device=query.device)
@@ -226,10 +227,7 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
     slots = seg.slots[rows]
     n, length = slots.shape[0], seg.width * mode.block_size
     token = torch.arange(mode.block_size, device=slots.device)
-    mask = token < seg.tokens[rows, :, None]  # [R, width, B]
-    if mode.sliding_window:
-        ordinal = seg.starts[rows, :, None] + token
-        mask &= ordinal >= seg.context_lens[rows, None, None] - mode.sliding_window
+    mask = (token >= seg.first[rows, :, None]) & (token < seg.tokens[rows, :, None])  # [R, w, B]
     mask = mask.view(n, 1, length)
     # the scales multiply the sums, not every gathered value (docs/performance.md)
     k_gathered = k_stored[slots].view(n, length, -1)  # [R, L, D] stored values
@@ -274,8 +272,7 @@ def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
 
     slots = seg.slots[rows]
     scores, sums = kernels.scores_and_largest(
-        q.contiguous(), q_sq.contiguous(), k_stored, slots, seg.tokens[rows], seg.starts[rows],
-        seg.context_lens[rows], mode.sliding_window or 0)
+        q.contiguous(), q_sq.contiguous(), k_stored, slots, seg.first[rows], seg.tokens[rows])
     scores.mul_(mode.logit_scale)  # masked logits stay -inf
     if mode.softcap:
         scores = torch.where(scores == float("-inf"), scores, _softcapped(mode, scores))

@@ -35,16 +35,16 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from difftest.backends.unified_call import real_output, serving_arguments
 from difftest.backends.vllm_adapter import INTERPRETER_BF16_FINDING, VllmAdapter
 from difftest.backends.vllm_arch import OnceLogger
-from difftest.backends.vllm_imports import triton_precision
-from difftest.case.selection import build_rows
+from difftest.backends.vllm_imports import load_vllm_kernel, triton_precision
+from difftest.case.selection import before_window, build_rows, read_slots
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.exported_call import ExportedCall, KernelImport
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.machine import devices
 from difftest.primitives.dtypes import dtype_name, torch_dtype
@@ -236,6 +236,8 @@ class VllmPagedDecode(VllmAdapter):
         if interleaved:
             arguments["INTERLEAVED_V_PACK_FACTOR"] = x
         if self.arch is None:
+            inputs.export_call(ExportedCall(self._kernel_import(), "kernel_paged_attention_2d",
+                                            arguments, (case.total_q, nkv), "output_ptr"))
             kernel[(case.total_q, nkv)](**arguments)
         else:
             arguments = self._through_the_wrapper(inputs, arguments, terms)
@@ -258,6 +260,13 @@ class VllmPagedDecode(VllmAdapter):
         from vllm.platforms import current_platform
 
         return dtype_name(current_platform.fp8_dtype())
+
+    def _kernel_import(self) -> KernelImport:
+        """How a script outside difftest gets this ``kernel_paged_attention_2d``: from the
+        installed vLLM, or from a tree given to it (the recorded one: this release's)."""
+        tree = str(self.release.package.parent) if self.release is not None else ""
+        options = {"module": self.kernel_module_name, "name": "kernel_paged_attention_2d"}
+        return KernelImport("vllm", load_vllm_kernel, options, tree)
 
     def _through_the_wrapper(self, inputs: RunInputs, arguments: dict[str, Any],
                              terms: dict[str, Any]) -> dict[str, Any]:
@@ -289,11 +298,7 @@ def loads_unread_slots_outside_the_window(case: Case, versions: Mapping[str, str
         return False
     if case.is_fp8 and versions.get("triton_interpret") == "True":
         return False
-    read, outside = [], []
-    for row in build_rows(case):
-        ids = np.concatenate([seg.physical_block * case.block_size + np.arange(seg.tokens)
-                              for seg in row.segments] or [np.zeros(0, dtype=np.int64)])
-        cut = max(len(ids) - case.sliding_window, 0)
-        outside.append(ids[:cut])
-        read.append(ids[cut:])
-    return bool(np.isin(np.concatenate(outside), np.concatenate(read), invert=True).any())
+    rows = build_rows(case)
+    read = read_slots(case, rows)
+    return any(not read.issuperset(span.slots(case.block_size))
+               for row in rows for span in before_window(case, row))

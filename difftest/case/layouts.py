@@ -5,8 +5,10 @@ heads, head size): which geometries it holds (:meth:`KVLayout.check`), how page 
 its blocks (``block * block_page_stride + j``, the V view starting ``v_page_offset`` pages
 in), the physical buffer's shape, the ``[n, 2, block_size, nkv, D]`` view of it that cache
 writers write through (:meth:`KVLayout.sides`), the same bytes as one row of 8-byte words per
-block (:meth:`KVLayout.block_words`, which the pool restores and checks), and the K and V
-page views a kernel receives in each in-page order it offers (:meth:`KVLayout.views`).
+block (:meth:`KVLayout.block_words`, which the pool restores and checks), the K and V page
+views a kernel receives in each in-page order it offers (:meth:`KVLayout.views`), and the
+untrimmed plain planes those views are cut from (:meth:`KVLayout.planes`, which the diagnosis
+reads through page ids and offsets).
 
 * ``LBHNC`` (MiniMax-M3's production cache): ``[n, 2, B, nkv*D]``; each block holds its K
   side then its V side, so one page id ``block * 2B/P + j`` addresses both sides and the V
@@ -122,10 +124,19 @@ class KVLayout:
     def views(self, raw: torch.Tensor, g: Geometry,
               in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V page views a kernel receives (K untrimmed; V ``v_page_offset`` pages
-        in): plain ``[pages, P, nkv, D]``, shuffled K ``[pages, nkv, D/x, P, x]`` and V
-        ``[pages, nkv, P/x, D, x]``."""
+        in): plain ``[pages, P, nkv, D]`` (:meth:`planes`, V trimmed), shuffled K
+        ``[pages, nkv, D/x, P, x]`` and V ``[pages, nkv, P/x, D, x]``."""
         self.check_order(in_page_order)
-        return self._views(raw, g, in_page_order)
+        if in_page_order == "plain":
+            k, v = self.planes(raw, g)
+            return k, v[self.v_page_offset(g):]
+        return self._shuffled_views(raw, g)
+
+    def planes(self, raw: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain K and V planes ``[pages, P, nkv, D]`` (views of ``raw``), both untrimmed:
+        page id ``p`` is page ``p`` of the K plane and page ``p + v_page_offset`` of the V
+        plane (LBHNC: one plane holding both sides)."""
+        raise NotImplementedError
 
     def check_order(self, in_page_order: str) -> None:
         """Raise ``ValueError`` unless this layout has pages in ``in_page_order``."""
@@ -133,17 +144,20 @@ class KVLayout:
             raise ValueError(f"layout {self.name} has no {in_page_order!r} pages (in-page "
                              f"orders: {', '.join(self.in_page_orders)})")
 
-    def _views(self, raw: torch.Tensor, g: Geometry,
-               in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    def _shuffled_views(self, raw: torch.Tensor,
+                        g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"layout {self.name} has no shuffled pages")
 
 
-def _page_views(k_src: torch.Tensor, v_src: torch.Tensor, g: Geometry, count: int,
-                v_offset: int, in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page views of contiguous sides whose ``count`` pages are ``P`` tokens each."""
+def _plain_pages(src: torch.Tensor, g: Geometry, count: int) -> torch.Tensor:
+    """``[count, P, nkv, D]``: contiguous pages of ``P`` tokens."""
+    return src.view(count, g.page_size, g.num_kv_heads, g.head_dim)
+
+
+def _shuffled_pages(k_src: torch.Tensor, v_src: torch.Tensor, g: Geometry, count: int,
+                    v_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shuffled page views of contiguous sides whose ``count`` pages are ``P`` tokens each."""
     nkv, d, ps = g.num_kv_heads, g.head_dim, g.page_size
-    if in_page_order == "plain":
-        return k_src.view(count, ps, nkv, d), v_src.view(count, ps, nkv, d)[v_offset:]
     x = 16 // k_src.element_size()
     return (k_src.view(count, nkv, d // x, ps, x),
             v_src.view(count, nkv, ps // x, d, x)[v_offset:])
@@ -179,10 +193,15 @@ class Packed(KVLayout):
         side = g.block_size * g.num_kv_heads * g.head_dim
         return 2 * side, side
 
-    def _views(self, raw: torch.Tensor, g: Geometry,
-               in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def planes(self, raw: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """One plane, both sides: ``raw`` as ``2 n B / P`` pages."""
+        pages = _plain_pages(raw, g, g.num_blocks * self.block_page_stride(g))
+        return pages, pages
+
+    def _shuffled_views(self, raw: torch.Tensor,
+                        g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
         count = g.num_blocks * self.block_page_stride(g)
-        return _page_views(raw, raw, g, count, self.v_page_offset(g), in_page_order)
+        return _shuffled_pages(raw, raw, g, count, self.v_page_offset(g))
 
 
 class Planes(KVLayout):
@@ -207,10 +226,15 @@ class Planes(KVLayout):
         side = g.block_size * g.num_kv_heads * g.head_dim
         return side, g.num_blocks * side
 
-    def _views(self, raw: torch.Tensor, g: Geometry,
-               in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def planes(self, raw: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K plane and the V plane as pages."""
         count = g.num_blocks * self.block_page_stride(g)
-        return _page_views(raw[0], raw[1], g, count, 0, in_page_order)
+        return _plain_pages(raw[0], g, count), _plain_pages(raw[1], g, count)
+
+    def _shuffled_views(self, raw: torch.Tensor,
+                        g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        count = g.num_blocks * self.block_page_stride(g)
+        return _shuffled_pages(raw[0], raw[1], g, count, 0)
 
 
 class Split(KVLayout):
@@ -240,8 +264,9 @@ class Split(KVLayout):
         """``[n, words]``: a block is contiguous."""
         return raw.view(g.num_blocks, -1).view(torch.int64)
 
-    def _views(self, raw: torch.Tensor, g: Geometry,
-               in_page_order: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def planes(self, raw: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided ``[n, B, nkv, D]`` views of each token's first and second ``D`` channels
+        (``raw[0]`` is block 0, not K)."""
         both = raw.transpose(1, 2)  # [n, B, nkv, 2D]
         return both[..., : g.head_dim], both[..., g.head_dim:]
 

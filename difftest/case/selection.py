@@ -1,33 +1,38 @@
-"""The framework's own sparse page-table builder: the reference semantics of a selection.
+"""What each query row attends: the reference semantics of a selection, in one place.
 
-Declared semantics of a selection row (the reference's; docs/kernel-modes.md). Per query row
-(one program per row in vLLM's ``_build_sparse_block_table_kernel``, the table MiniMax-M3's
-AITER path reads): **every** lane is scanned, and a lane is valid iff its logical block is
-``0 <= blk <= self_blk`` and the row's causal length is positive. ``-1`` lanes are ignored
-wherever they sit (before valid lanes too), and so are blocks past the causal limit. Valid
-blocks before the row's own block are *full* blocks, compacted in top-k order, a duplicated
-full block attended once per copy; every lane that selects the row's own block is the
-*tail*, placed once after the full blocks and truncated at the causal limit. Page ids are
-``block_table[blk] * block_page_stride + j`` for ``j < 8``; the rest of the row is zero.
+Every reader of "which tokens does row ``n`` attend" calls this module: the reference, the
+cache builder's NaN canaries, the diagnosis, the emulator, the backends' refusals and the
+known-bug models. Semantics (docs/kernel-modes.md):
 
-Two vLLM kernels read some irregular rows differently, and each reading is modelled here so
-that the backend can refuse exactly the cases where it changes what a row attends:
+* **Context** (:func:`build_rows`): per query row, every lane is scanned; a lane is valid iff
+  its logical block is ``0 <= blk <= self_blk`` and the row's causal length (``abs_pos + 1``:
+  causal order within a request) is positive. ``-1`` lanes and blocks past the causal limit
+  are ignored wherever they sit. Valid blocks before the row's own block are full
+  :class:`Segment` s in top-k order (a duplicate attended once per copy); every lane on the
+  row's own block is the *tail*, placed once after them and cut at the causal limit.
+* **Window** (:func:`window_start`): with ``sliding_window = W`` a row attends the last ``W``
+  tokens of its context in attend order; :func:`attended_spans` gives each segment's attended
+  tokens ``[first, end)`` after it.
+* **Pages** (:func:`page_table`, :func:`row_page_ids`): page ids ``block * block_page_stride
+  + j``; cache *slots* are ``physical_block * block_size + token``.
 
-* :func:`portable_decode_rows`: vLLM's portable Triton decode
-  (``minimax_m3_sparse_attn_decode``) reads only the first ``min(topk, self_blk + 1)`` lanes,
-  every valid copy counted, the tail's too (finding F4);
-* :func:`aiter_table_rows`: vLLM's AITER table builder cuts the context of a row that
-  selects no lane of its own block at the row's causal length, so duplicated full blocks
-  worth more tokens than that are cut short (finding F14).
+Questions a model of a kernel bug asks, answered here: which slots some row reads
+(:func:`read_slots`; with ``canary`` every other slot of an attended block is NaN), which
+context tokens a row's window leaves out (:func:`before_window`), the slots of the page where
+its window starts that lie before it (:func:`window_page_before`), and the slots of its last
+page past its context (:func:`last_page_past_context`), each as :class:`Span` s.
 
-:func:`reading_differs` says which rows such a reading changes; :func:`portable_reading_differs`
-and :func:`aiter_table_differs` apply it.
+Two vLLM kernels read some irregular rows differently; each reading is modelled
+(:func:`portable_decode_rows`: finding F4; :func:`aiter_table_rows`: F14) and compared with
+the declared one (:func:`reading_differs`), so that a backend refuses exactly the cases where
+its reading changes what a row attends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -64,9 +69,9 @@ _SET_TOKENS = Segment.tokens.__set__  # type: ignore[attr-defined]
 
 
 def _segment(block: int, physical_block: int, tokens: int) -> Segment:
-    """``Segment(block, physical_block, tokens)`` filling the slots directly: the frozen
-    ``__init__`` (three ``object.__setattr__`` calls) was most of :func:`build_rows`, thousands
-    of segments at production shape. The instance is the same (fields, equality, hash)."""
+    """``Segment(block, physical_block, tokens)`` filling the slots directly, without the
+    frozen ``__init__`` (docs/performance.md, "Segment tables"). The instance is the same
+    (fields, equality, hash)."""
     seg = object.__new__(Segment)
     _SET_BLOCK(seg, block)
     _SET_PHYSICAL(seg, physical_block)
@@ -75,11 +80,7 @@ def _segment(block: int, physical_block: int, tokens: int) -> Segment:
 
 
 def build_rows(case: Case) -> tuple[SparseRow, ...]:
-    """The logical attend list of every query row.
-
-    Row by row, with segments made by :func:`_segment`: the segments must be objects anyway,
-    and numpy over the lanes measured slower than this loop at production shape (its array
-    setup cost more than the lane filtering it replaced)."""
+    """The logical attend list of every query row (its context, before any window)."""
     rows = []
     bs = case.block_size
     for n, lanes in enumerate(case.selections):
@@ -103,6 +104,86 @@ def row_page_ids(case: Case, row: SparseRow) -> tuple[int, ...]:
         base = seg.physical_block * case.block_page_stride
         pages.extend(base + j for j in range(-(-seg.tokens // case.page_size)))
     return tuple(pages)
+
+
+Count = TypeVar("Count", int, torch.Tensor)
+
+
+def window_start(context_len: Count, sliding_window: int) -> Count:
+    """The ordinal, in attend order, of the first token a row of ``context_len`` tokens
+    attends: with a sliding window ``W`` its last ``W`` tokens (``max(context_len - W, 0)``),
+    else all (0). ``context_len`` is an int or an integer tensor (elementwise)."""
+    if not sliding_window:
+        return context_len * 0
+    first = context_len - sliding_window
+    return first.clamp(min=0) if isinstance(first, torch.Tensor) else max(first, 0)
+
+
+class Span(NamedTuple):
+    """Tokens ``first <= t < end`` of logical block ``block`` of a row's request (physical
+    block ``physical_block``); empty where ``first >= end``."""
+
+    block: int
+    physical_block: int
+    first: int
+    end: int
+
+    def slots(self, block_size: int) -> range:
+        """Its cache slots, ``physical_block * block_size + t``."""
+        base = self.physical_block * block_size
+        return range(base + self.first, base + max(self.first, self.end))
+
+
+def attended_spans(case: Case, row: SparseRow) -> tuple[Span, ...]:
+    """What ``row`` attends, one span per segment in attend order: the segment's tokens from
+    the row's :func:`window_start` on (a segment wholly before the window: an empty span)."""
+    start = window_start(row.context_len, case.sliding_window)
+    spans, ordinal = [], 0
+    for seg in row.segments:
+        spans.append(Span(seg.block, seg.physical_block,
+                          min(max(start - ordinal, 0), seg.tokens), seg.tokens))
+        ordinal += seg.tokens
+    return tuple(spans)
+
+
+def before_window(case: Case, row: SparseRow) -> tuple[Span, ...]:
+    """The tokens of ``row``'s context its window leaves out (none without a window), per
+    segment that has some."""
+    return tuple(Span(s.block, s.physical_block, 0, s.first)
+                 for s in attended_spans(case, row) if s.first > 0)
+
+
+def window_page_before(case: Case, row: SparseRow) -> Span | None:
+    """The tokens of the page (``page_size`` tokens of a block) where ``row``'s window starts
+    that lie before the window; ``None`` where the window starts on a page boundary or the
+    row has no window that cuts."""
+    for s in attended_spans(case, row):
+        if 0 < s.first < s.end:
+            page_start = s.first - s.first % case.page_size
+            return Span(s.block, s.physical_block, page_start, s.first) if (
+                page_start < s.first) else None
+    return None
+
+
+def last_page_past_context(case: Case, row: SparseRow) -> Span | None:
+    """The slots of ``row``'s last page (the page holding its last attended token) past its
+    context; ``None`` where the context ends on a page boundary or is empty."""
+    if not row.segments or not row.segments[-1].tokens:
+        return None
+    last = row.segments[-1]
+    end = -(-last.tokens // case.page_size) * case.page_size
+    return Span(last.block, last.physical_block, last.tokens, end) if end > last.tokens else None
+
+
+def read_slots(case: Case, rows: Iterable[SparseRow] | None = None) -> frozenset[int]:
+    """The cache slots some row reads, its window applied (``rows``: :func:`build_rows` of
+    ``case`` where the caller has them). With ``canary`` every other slot of an attended
+    block holds NaN."""
+    read: set[int] = set()
+    for row in build_rows(case) if rows is None else rows:
+        for span in attended_spans(case, row):
+            read.update(span.slots(case.block_size))
+    return frozenset(read)
 
 
 def page_table(case: Case, rows: Sequence[SparseRow]) -> tuple[torch.Tensor, torch.Tensor]:

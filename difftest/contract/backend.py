@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol, TypeGuard, runtime_checkable
 
@@ -24,6 +24,7 @@ import torch
 
 from difftest.case.selection import SparseRow, build_rows, page_table
 from difftest.case.spec import Case
+from difftest.contract.exported_call import ExportedCall
 from difftest.contract.kernel_call import KernelCall
 from difftest.inputs.case_data import CaseData, generate
 from difftest.inputs.kv_cache import CachePool, CacheViews, build_cache
@@ -55,13 +56,16 @@ class Precision:
     products; :meth:`difftest.contract.tolerance.Tolerance.of`); ``probabilities``:
     what the softmax weights are rounded to before the PV product; ``output``: the stored
     output dtype; ``rounded_products``: each product ``q_i k_i`` of a logit is rounded to
-    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot).
+    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot);
+    ``flushes_subnormal_outputs``: an output below ``output``'s normal range may be stored as
+    zero (flush-to-zero, e.g. a GPU's FTZ mode on the last stage).
     """
 
     operands: str
     probabilities: str
     output: str
     rounded_products: bool = False
+    flushes_subnormal_outputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,8 @@ class RunInputs:
     built in (the same bytes; valid until the pool's next case); without one each cache is a
     fresh :func:`~difftest.inputs.kv_cache.build_cache`. ``calls``: the kernel calls the running
     backend stated (:meth:`state`); the runner empties it before each backend runs.
+    ``exported``: the calls a backend stated by value (:meth:`export_call`), kept only where
+    an export set it to a list (``None``: not kept).
     """
 
     case: Case
@@ -175,11 +181,23 @@ class RunInputs:
     _caches: dict[str, CacheViews] = field(default_factory=dict, repr=False)
     pool: CachePool | None = field(default=None, repr=False)
     calls: list[KernelCall] = field(default_factory=list, repr=False)
+    exported: list[ExportedCall] | None = field(default=None, repr=False)
 
     def state(self, call: KernelCall) -> None:
         """Record the statement of a kernel call the running backend made
         (:func:`difftest.contract.kernel_call.kernel_call`, from the arguments it made it with)."""
         self.calls.append(call)
+
+    def export_call(self, call: ExportedCall) -> None:
+        """Keep the values of a kernel call the running backend is about to make, where an
+        export asks for them (:mod:`difftest.contract.exported_call`); the output argument
+        is copied now, before the kernel writes it."""
+        if self.exported is None:
+            return
+        arguments = dict(call.arguments)
+        if call.output is not None and isinstance(arguments.get(call.output), torch.Tensor):
+            arguments[call.output] = arguments[call.output].clone()
+        self.exported.append(replace(call, arguments=arguments))
 
     @cached_property
     def data(self) -> CaseData:

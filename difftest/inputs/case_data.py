@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from difftest.case.selection import SparseRow
+from difftest.case.selection import SparseRow, attended_spans
 from difftest.case.spec import Case
 from difftest.inputs.serving_terms import token_head_scales
 from difftest.machine.devices import to_device
@@ -32,14 +32,15 @@ class Segments:
     """Every query row's segments in attend order, padded to ``width`` per row, on the device.
 
     ``slots[r, j]`` is the entry of ``k_stored``/``v_stored`` holding segment ``j`` of row
-    ``r``, ``tokens[r, j]`` its attended tokens (0 on padding) and ``starts[r, j]`` the
-    ordinal of its first token within the row; all ``[total_q, width]`` int64.
-    ``context_lens`` is ``[total_q]`` int64.
+    ``r``; the row attends its tokens ``first[r, j] <= t < tokens[r, j]`` (its
+    :func:`~difftest.case.selection.attended_spans`: ``tokens`` the segment's context tokens,
+    ``first`` where the row's window starts in it; both 0 on padding); all
+    ``[total_q, width]`` int64. ``context_lens`` is ``[total_q]`` int64 (before the window).
     """
 
     slots: torch.Tensor
     tokens: torch.Tensor
-    starts: torch.Tensor
+    first: torch.Tensor
     context_lens: torch.Tensor
 
     @property
@@ -142,12 +143,14 @@ def host_tables(case: Case, rows: tuple[SparseRow, ...]) -> HostTables:
     pass over ``rows``.
 
     ``blocks``: the attended physical blocks, ascending; ``written[i]``: tokens its request
-    wrote in ``blocks[i]``; ``table``: ``[3, total_q, width]`` slots, tokens and starts.
-    numpy, not torch: on arrays this small each torch op costs more than its work.
+    wrote in ``blocks[i]``; ``table``: ``[3, total_q, width]`` slots, tokens and firsts
+    (:class:`Segments`). numpy, not torch: on arrays this small each torch op costs more than
+    its work.
     """
-    flat = [v for n, row in enumerate(rows) for seg in row.segments
-            for v in (n, row.request, seg.block, seg.physical_block, seg.tokens)]
-    row, request, logical, physical, tokens = np.array(flat, dtype=np.int64).reshape(-1, 5).T
+    flat = [v for n, row in enumerate(rows) for span in attended_spans(case, row)
+            for v in (n, row.request, span.block, span.physical_block, span.end, span.first)]
+    row, request, logical, physical, tokens, first = np.array(
+        flat, dtype=np.int64).reshape(-1, 6).T
     blocks, slot = np.unique(physical, return_inverse=True)
     # a physical block holds one logical block of one request (Case validation), so every
     # segment of a block writes the same count
@@ -155,12 +158,9 @@ def host_tables(case: Case, rows: tuple[SparseRow, ...]) -> HostTables:
     written = np.zeros_like(blocks)
     written[slot] = np.minimum(seq_lens[request] - logical * case.block_size, case.block_size)
     counts = np.bincount(row, minlength=case.total_q)
-    first = np.cumsum(counts) - counts  # index of each row's first segment
-    position = np.arange(row.size) - first[row]
-    before = np.cumsum(tokens) - tokens  # tokens of all earlier segments
-    starts = before - before[first[row]]
+    position = np.arange(row.size) - (np.cumsum(counts) - counts)[row]
     table = np.zeros((3, case.total_q, int(counts.max()) if row.size else 0), dtype=np.int64)
-    table[:, row, position] = np.stack((slot, tokens, starts))
+    table[:, row, position] = np.stack((slot, tokens, first))
     physical_blocks = tuple(blocks.tolist())
     return HostTables(
         packed=np.concatenate((blocks, written, table.ravel(), table[1].sum(1))),

@@ -11,8 +11,9 @@ produces NaN instead of a plausible number. Slots of an attended page past the o
 request's written tokens hold a large finite poison, as do page 0 of each side of physical
 block 0 (vLLM's null block), which kernels legitimately load for padded lanes and multiply
 by zero. A case with ``canary`` set goes further: every slot of an attended block that no
-row reads (outside every row's sliding window, past the written tokens) is NaN, so a kernel
-that loads such a slot and multiplies it by a zero weight is caught too.
+row reads (:func:`difftest.case.selection.read_slots`: outside every row's window, past the
+written tokens) is NaN, so a kernel that loads such a slot and multiplies it by a zero weight
+is caught too.
 
 Reuse: :func:`build_cache` fills a fresh buffer per case; a session's :class:`CachePool` keeps
 one buffer per (layout, order) and rewrites only the blocks that differ (the same bytes; on a
@@ -61,15 +62,13 @@ def _reach(case: Case, data: CaseData) -> torch.Tensor:
 
 
 def _read_slots(case: Case, data: CaseData) -> torch.Tensor:
-    """``[attended, block_size]`` bool: the slots some row reads (its window, if any)."""
+    """``[attended, block_size]`` bool: the slots some row reads (each segment's attended
+    tokens, :class:`~difftest.inputs.case_data.Segments`)."""
     seg = data.segments
-    first = (seg.context_lens - case.sliding_window if case.sliding_window
-             else torch.zeros_like(seg.context_lens))
-    start = (first[:, None] - seg.starts).clamp(min=0)  # [rows, width]
-    slot = torch.arange(case.block_size, device=start.device)
-    read = (slot >= start[..., None]) & (slot < seg.tokens[..., None])  # [rows, width, B]
+    slot = torch.arange(case.block_size, device=seg.first.device)
+    read = (slot >= seg.first[..., None]) & (slot < seg.tokens[..., None])  # [rows, width, B]
     count = torch.zeros((data.written.numel(), case.block_size), dtype=torch.int32,
-                        device=start.device)
+                        device=seg.first.device)
     count.index_add_(0, seg.slots.flatten(), read.flatten(0, 1).to(torch.int32))
     return count > 0
 

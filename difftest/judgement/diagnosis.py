@@ -9,29 +9,38 @@ from the physical cache under the rewritten read, and the hypothesis explains th
 the recomputed row matches the backend's row within the same tolerance as the real
 comparison (:mod:`difftest.contract.tolerance`); a non-finite element matches a non-finite one.
 
-The recomputation models a page-16 decode kernel: token ``i`` of a row is token ``i % 16`` of
-page ``pages[i // 16]`` (a lane past the row's table reads page 0), K of page ``p`` is page
-``p + k_offset`` of the K plane and V page ``p + v_offset`` of the V plane (LBHNC: one plane,
-``v_offset`` 8; LHBNC: two planes, offset 0), a page outside the plane reads NaN. It reads the
+The recomputation models a paged decode kernel of the case's page size ``P``: token ``i`` of a
+row is token ``i % P`` of page ``pages[i // P]`` (a lane past the row's table reads page 0),
+K of page ``p`` is page ``p + k_offset`` of the K plane and V page ``p + v_offset`` of the V
+plane, as the case's layout object addresses them (:meth:`~difftest.case.layouts.KVLayout.planes`:
+LBHNC one plane, ``v_offset`` the K side's pages; LHBNC and split two planes, offset 0); a
+page outside the plane reads NaN; query head ``h`` reads KV head ``h // (Hq / Hkv)``; the
+window is the case's (:func:`difftest.case.selection.window_start`). It reads the
 plain-order cache of :meth:`RunInputs.cache` (built by :mod:`difftest.inputs.kv_cache`), canaries
 included: a read of a page no row attends gives NaN, or, where the backend's row is finite and
 the cache is e4m3, the value a decoder without NaN encodings gives the NaN byte (+-480 for
-e4m3fn, 0 for e4m3fnuz's ``0x80``; the Triton interpreter decodes so).
+e4m3fn, 0 for e4m3fnuz's ``0x80``; the Triton interpreter decodes so). Hypotheses named
+after a stride or an offset (``page-stride-8``, ``v-view-offset-7``) carry MiniMax-M3's
+numbers (128-token blocks of 16-token pages); on other geometries they apply at that
+geometry's strides, and their text gives the numbers.
 
 A prediction explains a row only if, on every element the comparison flagged, it also
 removes at least half of the error, so neither a hypothesis that barely changes the read nor
 one whose recomputation has a tolerance too loose to mean anything explains a mismatch. A
 hypothesis is either a *rule* a kernel would apply to every row (page-id truncation or
-stride, the packed sides' offsets, scales, fp8 format, softmax scale, block ids off by one)
-or *per row* (:data:`PER_ROW`: token counts, one page or block read from elsewhere, another
-request's table or query token); a rule must also leave up to :data:`MAX_CONTROL_ROWS`
-agreeing rows agreeing. Ranking: explaining more diagnosed rows, then on finite values (a
-non-finite row only says that some NaN canary was read), then rules before per-row
-hypotheses, then fewer tokens read differently, then the order of :data:`HYPOTHESIS_NAMES`;
-the first line names the hypotheses tied with it on all but that order ("equally
-consistent"): the output cannot tell them apart. A NaN read makes a whole row NaN, so where
-a diagnosed row is non-finite the backend runs again on :func:`finite_canaries` (a
-:class:`Rerun`) and that output is diagnosed instead (docs/mutation-benchmark.md).
+stride, the packed sides' offsets, scales, fp8 format, softmax scale, softcap, the window
+ignored or its bound off by one, a softmax without its maximum subtracted, query heads
+shifted, KV heads interleaved or addressed at the wrong stride, block ids off by one) or
+*per row* (:data:`PER_ROW`: token counts, the partial last page dropped, one page or block
+read from elsewhere, another request's table or query token); a rule must also leave up to
+:data:`MAX_CONTROL_ROWS` agreeing rows agreeing. Ranking: explaining more diagnosed rows,
+then on finite values (a non-finite row only says that some NaN canary was read), then rules
+before per-row hypotheses, then fewer tokens read differently, then the order of
+:data:`HYPOTHESIS_NAMES`; the first line names the hypotheses tied with it on all but that
+order ("equally consistent"): the output cannot tell them apart. A NaN read makes a whole
+row NaN, so where a diagnosed row is non-finite the backend runs again on
+:func:`finite_canaries` (a :class:`Rerun`) and that output is diagnosed instead
+(docs/mutation-benchmark.md).
 
 Cost is bounded: each diagnosed row tries at most :data:`MAX_VARIANTS_PER_ROW` rewritten
 reads (per-block rewrites on its first :data:`MAX_SEGMENTS` segments), each one or two row
@@ -51,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from difftest.case.selection import window_start
 from difftest.case.spec import Case
 from difftest.contract.backend import EmptyRowOutput, Reference, RunInputs
 from difftest.contract.tolerance import Tolerance
@@ -89,6 +99,9 @@ class Read:
     query_row: int
     planes_swapped: bool = False
     head_shift: int = 0  # query head h reads head h + head_shift's query (mod the heads)
+    kv_heads: tuple[int, ...] = ()  # the KV head each query head reads (): h // (Hq / Hkv)
+    heads_page_major: bool = False  # pages read as [Hkv, P, D] though they are [P, Hkv, D]
+    unshifted_softmax: bool = False  # float32 exp(s) without the row's maximum subtracted
 
 
 @dataclass(frozen=True)
@@ -147,11 +160,7 @@ class _RowModel:
         self.tolerance = tolerance
         self.empty_row_output = empty_row_output
         raw = inputs.cache("plain").raw
-        width = case.num_kv_heads * case.head_dim
-        if case.kv_layout == "LBHNC":
-            self.k_plane = self.v_plane = raw.reshape(-1, width)
-        else:
-            self.k_plane, self.v_plane = raw[0].reshape(-1, width), raw[1].reshape(-1, width)
+        self.k_plane, self.v_plane = case.layout.planes(raw, case)  # [pages, P, nkv, D]
         self.query = inputs.data.query
         table, _ = inputs.sparse_table
         self.table = table.cpu()
@@ -166,7 +175,7 @@ class _RowModel:
         case = self.case
         return Read(
             pages=tuple(int(p) for p in self.table[n]), context_len=self.inputs.rows[n].context_len,
-            k_offset=0, v_offset=case.pages_per_side if case.kv_layout == "LBHNC" else 0,
+            k_offset=0, v_offset=case.layout.v_page_offset(case),
             k_scale=case.k_scale, v_scale=case.v_scale, softmax_scale=case.softmax_scale,
             softcap=case.softcap, sliding_window=case.sliding_window, kv_dtype=case.kv_dtype,
             query_row=n)
@@ -175,8 +184,8 @@ class _RowModel:
         """Plane token addresses ``(k, v)`` of the tokens the read attends (its window's, if
         any), in attend order."""
         ps = self.case.page_size
-        first = max(read.context_len - read.sliding_window, 0) if read.sliding_window else 0
-        ordinal = torch.arange(first, read.context_len)
+        ordinal = torch.arange(window_start(read.context_len, read.sliding_window),
+                               read.context_len)
         pages = torch.tensor((*read.pages, 0), dtype=torch.int64)
         page = pages[ordinal.div(ps, rounding_mode="floor").clamp(max=len(read.pages))]
         k = (page + read.k_offset) * ps + ordinal % ps
@@ -185,9 +194,18 @@ class _RowModel:
 
     def _gather(self, plane: torch.Tensor, address: torch.Tensor, read: Read,
                 nan_as_finite: bool) -> torch.Tensor:
-        inside = (address >= 0) & (address < plane.shape[0])
+        """``[L, nkv, D]`` float64: the plane's (``[pages, P, nkv, D]``) tokens at
+        ``address`` (``page * P + slot``), NaN outside the plane."""
+        ps = plane.shape[1]
+        inside = (address >= 0) & (address < plane.shape[0] * ps)
         index = torch.where(inside, address, 0).to(self.device)
-        stored = plane.index_select(0, index)
+        page, slot = index.div(ps, rounding_mode="floor"), index % ps
+        if read.heads_page_major:  # [t, h] read at [f // Hkv, f % Hkv] of the page, f = h P + t
+            nkv = plane.shape[2]
+            flat = torch.arange(nkv, device=self.device)[None, :] * ps + slot[:, None]
+            stored = plane[page[:, None], flat.div(nkv, rounding_mode="floor"), flat % nkv]
+        else:
+            stored = plane[page, slot]
         if read.kv_dtype != self.case.kv_dtype:
             stored = stored.view(torch_dtype(read.kv_dtype))
         values = stored.to(torch.float64)
@@ -199,7 +217,7 @@ class _RowModel:
                 values = torch.where((bits & 0x7F) == 0x7F, decoded, values)
             else:
                 values = torch.where(bits == 0x80, torch.zeros_like(values), values)
-        return torch.where(inside.to(self.device)[:, None], values,
+        return torch.where(inside.to(self.device)[:, None, None], values,
                            torch.full_like(values, float("nan")))
 
     def recompute(self, read: Read, nan_as_finite: bool = False) -> Reference:
@@ -218,40 +236,67 @@ class _RowModel:
         v = self._gather(v_plane, v_addr, read, nan_as_finite) * read.v_scale
         if case.kv_quant == "per_token_head":  # the scale caches, read at the same slots
             ps = case.page_size
-            k = k * self._token_scales("k", k_addr - read.k_offset * ps)[:, None]
-            v = v * self._token_scales("v", v_addr - read.v_offset * ps)[:, None]
+            k = k * self._token_scales("k", k_addr - read.k_offset * ps)[:, :, None]
+            v = v * self._token_scales("v", v_addr - read.v_offset * ps)[:, :, None]
         q = self.query[read.query_row].to(torch.float64)  # [H, D]
         if read.head_shift:
             q = q.roll(-read.head_shift, dims=0)
-        scores = q @ k.T * read.softmax_scale  # [H, L]
-        if read.softcap:
-            scores = read.softcap * torch.tanh(scores / read.softcap)
-        probs = self._weights(scores)
-        magnitude = ((q * q) @ (k * k).T).sqrt() * read.softmax_scale + read.softcap
-        magnitude = magnitude.amax(dim=-1)
-        out = probs @ v
+        out, abs_out = torch.empty_like(q), torch.empty_like(q)
+        magnitude = q.new_empty(q.shape[0])
+        for kv, heads in self._head_groups(read).items():  # k, v: [L, nkv, D]
+            qh, kh, vh = q[heads], k[:, kv], v[:, kv]
+            scores = qh @ kh.T * read.softmax_scale  # [heads, L]
+            if read.softcap:
+                scores = read.softcap * torch.tanh(scores / read.softcap)
+            probs = self._weights(self._with_alibi(scores, heads), heads,
+                                  read.unshifted_softmax)
+            out[heads], abs_out[heads] = probs @ vh, probs @ vh.abs()
+            magnitude[heads] = (((qh * qh) @ (kh * kh).T).sqrt() * read.softmax_scale
+                                + read.softcap).amax(dim=-1)
         if case.output_scale:  # an fp8 output saturates as the reference's does
             limit = finite_max(case.output_dtype) * case.output_scale
             out = out.clamp(-limit, limit)
-        return Reference(out[None], (probs @ v.abs())[None], magnitude[None], ctx)
+        return Reference(out[None], abs_out[None], magnitude[None], ctx)
+
+    def _head_groups(self, read: Read) -> dict[int, list[int]]:
+        """The query heads that read each KV head under ``read``."""
+        case = self.case
+        kv_of = read.kv_heads or tuple(h // case.queries_per_kv
+                                       for h in range(case.num_q_heads))
+        groups: dict[int, list[int]] = {}
+        for h, kv in enumerate(kv_of):
+            groups.setdefault(kv, []).append(h)
+        return groups
 
     # ----- serving terms (sinks, ALiBi, per-token-head scales; docs/kernel-modes.md) -----
-    def _weights(self, scores: torch.Tensor) -> torch.Tensor:
-        """The softmax of one row's ``[H, L]`` logits with the case's ALiBi offsets (``t -
-        (L - 1)`` for the ``t``-th token read) and sinks, as the reference forms them."""
-        case = self.case
-        slopes = serving_terms.alibi_slopes(case, self.device)
-        if slopes is not None:
-            offset = torch.arange(scores.shape[-1], device=self.device) - (scores.shape[-1] - 1)
-            scores = scores + slopes.to(torch.float64)[:, None] * offset
-        sinks = serving_terms.sinks(case, self.device)
-        if sinks is None:
+    def _with_alibi(self, scores: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        """``[heads, L]`` logits with the case's ALiBi offsets (``t - (L - 1)`` for the
+        ``t``-th token read), as the reference adds them."""
+        slopes = serving_terms.alibi_slopes(self.case, self.device)
+        if slopes is None:
+            return scores
+        offset = torch.arange(scores.shape[-1], device=self.device) - (scores.shape[-1] - 1)
+        return scores + slopes.to(torch.float64)[heads, None] * offset
+
+    def _weights(self, scores: torch.Tensor, heads: list[int],
+                 unshifted: bool) -> torch.Tensor:
+        """The weights of ``[heads, L]`` logits, each head's sink in the denominator;
+        ``unshifted``: the kernel's float32 exp of the logits themselves (inf past 88.7, 0
+        below -104)."""
+        sinks = serving_terms.sinks(self.case, self.device)
+        sink = None if sinks is None else sinks.to(torch.float64)[heads, None]
+        if unshifted:
+            weights = scores.float().exp().double()
+            total = weights.sum(dim=-1, keepdim=True)
+            if sink is not None:
+                total = total + sink.float().exp().double()
+            return weights / total
+        if sink is None:
             return torch.softmax(scores, dim=-1)
-        full = torch.cat((scores, sinks.to(torch.float64)[:, None]), dim=-1)
-        return torch.softmax(full, dim=-1)[:, :-1]
+        return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[:, :-1]
 
     def _token_scales(self, side: str, address: torch.Tensor) -> torch.Tensor:
-        """The per-token scale (one KV head) over the scale cache's flat slots ``address``
+        """``[L, nkv]``: the per-token scales at the scale cache's flat slots ``address``,
         relative to the case's tensor scale (a hypothesis's scale multiplies it); NaN off
         the cache."""
         if side not in self._scale_planes:
@@ -261,11 +306,13 @@ class _RowModel:
             pages = self.case.num_blocks * self.case.block_page_stride
             plane = serving_terms.scale_cache(self.case, scales, data.block_ids, pages)
             base = self.case.k_scale if side == "k" else self.case.v_scale
-            self._scale_planes[side] = plane.reshape(-1).to(torch.float64) / base
+            nkv = self.case.num_kv_heads
+            self._scale_planes[side] = plane.reshape(-1, nkv).to(torch.float64) / base
         plane = self._scale_planes[side]
         inside = (address >= 0) & (address < plane.shape[0])
         picked = plane.index_select(0, torch.where(inside, address, 0).to(self.device))
-        return torch.where(inside.to(self.device), picked, torch.full_like(picked, float("nan")))
+        return torch.where(inside.to(self.device)[:, None], picked,
+                           torch.full_like(picked, float("nan")))
 
     def explains(self, read: Read, actual: torch.Tensor, truth: Reference) -> tuple[bool, bool]:
         """``(explains, finite)``: whether the row under ``read`` explains ``actual`` (the
@@ -364,16 +411,17 @@ def _first_changed_page(base: Read, pages: tuple[int, ...], ps: int) -> str:
     return "no page changed"
 
 
-def _renumbered(name: str, text: str, rewrite: Callable[[int], int],
+def _renumbered(name: str, text: Callable[[Case], str], rewrite: Callable[[Case, int], int],
                 applies: Callable[[Case], bool] = lambda c: True) -> Generator:
     def generate(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
-        if not applies(model.case):
+        case = model.case
+        if not applies(case):
             return
-        pages = tuple(rewrite(p) for p in base.pages)
-        used = -(-base.context_len // model.case.page_size)
+        pages = tuple(rewrite(case, p) for p in base.pages)
+        used = -(-base.context_len // case.page_size)
         if pages[:used] != base.pages[:used]:
-            detail = _first_changed_page(base, pages, model.case.page_size)
-            yield Variant(name, f"{text}: row {n} {detail}",
+            detail = _first_changed_page(base, pages, case.page_size)
+            yield Variant(name, f"{text(case)}: row {n} {detail}",
                           dataclasses.replace(base, pages=pages))
     return generate
 
@@ -449,15 +497,16 @@ def _unattended_page(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
 def _packed_sides(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
     case = model.case
     side = case.pages_per_side
-    if case.kv_layout == "LBHNC":
+    if _packed(case):
         options = [("k-read-from-v-side", "K read from the V side of each packed block",
                     {"k_offset": side}),
                    ("v-read-from-k-side", "V read from the K side of each packed block",
                     {"v_offset": 0}),
                    ("kv-sides-swapped", "K and V sides of each packed block swapped",
                     {"k_offset": side, "v_offset": 0})]
-        options += [(f"v-view-offset-{o}", f"the packed V view starts {o} pages into each "
-                     f"block instead of {side}", {"v_offset": o}) for o in (side - 1, side + 1)]
+        options += [(name, f"the packed V view starts {o} pages into each block instead of "
+                     f"{side}", {"v_offset": o})
+                    for name, o in (("v-view-offset-7", side - 1), ("v-view-offset-9", side + 1))]
     else:
         options = [("kv-sides-swapped", "K and V planes swapped", {"planes_swapped": True})]
     for name, text, change in options:
@@ -529,6 +578,11 @@ def _token_counts(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
         yield Variant("context-minus-1", f"row {n} read {length - 1} tokens instead of {length} "
                       "(the last token dropped)",
                       dataclasses.replace(base, context_len=length - 1))
+    partial = length % model.case.page_size
+    if partial:
+        yield Variant("last-partial-page-dropped", f"row {n} read {length - partial} tokens "
+                      f"instead of {length} (the partial last page of {partial} tokens dropped: "
+                      "whole pages only)", dataclasses.replace(base, context_len=length - partial))
     segments = model.inputs.rows[n].segments
     if len(segments) >= 1:
         last = segments[-1]
@@ -553,30 +607,69 @@ def _softmax(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
     if case.softcap:
         yield Variant("softcap-ignored", f"the logit softcap {case.softcap:g} not applied",
                       dataclasses.replace(base, softcap=0.0))
-    if case.sliding_window:
-        yield Variant("sliding-window-ignored", f"the sliding window {case.sliding_window} "
-                      "not applied", dataclasses.replace(base, sliding_window=0))
+    window = case.sliding_window
+    if window:
+        yield Variant("sliding-window-ignored", f"the sliding window {window} not applied",
+                      dataclasses.replace(base, sliding_window=0))
+        for name, other in (("sliding-window-plus-1", window + 1),
+                            ("sliding-window-minus-1", window - 1)):
+            if other:
+                yield Variant(name, f"the last {other} tokens attended instead of the "
+                              f"window's {window} (its bound off by one)",
+                              dataclasses.replace(base, sliding_window=other))
+    yield Variant("softmax-unshifted", "exp of the logits without the row's maximum "
+                  "subtracted (float32: infinite past 88.7, zero below -103)",
+                  dataclasses.replace(base, unshifted_softmax=True))
 
 
 def _heads(model: _RowModel, n: int, base: Read) -> Iterator[Variant]:
-    if model.case.num_q_heads > 1:
-        yield Variant("query-heads-shifted", "query head h read head h+1's query",
-                      dataclasses.replace(base, head_shift=1))
-        yield Variant("query-heads-shifted-back", "query head h read head h-1's query",
-                      dataclasses.replace(base, head_shift=-1))
+    case = model.case
+    heads, nkv, group = case.num_q_heads, case.num_kv_heads, case.queries_per_kv
+    for name, shift, other in (("query-heads-shifted", 1, "h+1"),
+                               ("query-heads-shifted-back", -1, "h-1")):
+        if heads > 1:  # head h computed as head h + shift: its query and its KV head
+            kv_heads = tuple((h + shift) % heads // group for h in range(heads))
+            yield Variant(name, f"query head h computed as head {other} (its query and KV "
+                          "head)", dataclasses.replace(
+                              base, head_shift=shift, kv_heads=kv_heads if nkv > 1 else ()))
+    if nkv > 1 and group > 1:
+        yield Variant("kv-heads-interleaved", f"query head h read KV head h % {nkv} instead of "
+                      f"h // {group} (GQA groups interleaved)", dataclasses.replace(
+                          base, kv_heads=tuple(h % nkv for h in range(case.num_q_heads))))
+    if nkv > 1:
+        yield Variant("kv-heads-page-major", f"pages read as [{nkv} KV heads, "
+                      f"{case.page_size} tokens, D] though they are [tokens, KV heads, D] "
+                      "(the KV head stride of an HND cache)",
+                      dataclasses.replace(base, heads_page_major=True))
 
 
-def _lbhnc(case: Case) -> bool:
-    return case.kv_layout == "LBHNC"
+def _packed(case: Case) -> bool:
+    """Whether the case's layout holds K and V sides in one plane of page ids (LBHNC)."""
+    return case.layout.v_page_offset(case) > 0
+
+
+def _one_side_stride(case: Case, p: int) -> int:
+    """Page id ``p`` at the block stride of one side (packed: ``block * P_side + j``)."""
+    return p // case.block_page_stride * case.pages_per_side + p % case.block_page_stride
+
+
+def _two_side_stride(case: Case, p: int) -> int:
+    """Page id ``p`` at the block stride of two sides (``block * 2 P_side + j``)."""
+    return p // case.pages_per_side * 2 * case.pages_per_side + p % case.pages_per_side
 
 
 HYPOTHESES: tuple[Generator, ...] = (
-    _renumbered("page-stride-8", "page ids at block stride 8 instead of 16 (block*8+j)",
-                lambda p: p // 16 * 8 + p % 16, _lbhnc),
-    _renumbered("page-stride-16", "page ids at block stride 16 instead of 8 (block*16+j)",
-                lambda p: p // 8 * 16 + p % 8, lambda c: not _lbhnc(c)),
-    _renumbered("page-id-mod-2**16", "page ids truncated to 16 bits", lambda p: p & 0xFFFF),
-    _renumbered("page-id-mod-2**15", "page ids truncated to 15 bits", lambda p: p & 0x7FFF),
+    _renumbered("page-stride-8", lambda c: f"page ids at block stride {c.pages_per_side} "
+                f"instead of {c.block_page_stride} (block*{c.pages_per_side}+j)",
+                _one_side_stride, _packed),
+    _renumbered("page-stride-16", lambda c: f"page ids at block stride "
+                f"{2 * c.pages_per_side} instead of {c.pages_per_side} "
+                f"(block*{2 * c.pages_per_side}+j)", _two_side_stride,
+                lambda c: not _packed(c)),
+    _renumbered("page-id-mod-2**16", lambda c: "page ids truncated to 16 bits",
+                lambda c, p: p & 0xFFFF),
+    _renumbered("page-id-mod-2**15", lambda c: "page ids truncated to 15 bits",
+                lambda c, p: p & 0x7FFF),
     _token_counts,
     _packed_sides,
     _scales,
@@ -592,19 +685,22 @@ HYPOTHESES: tuple[Generator, ...] = (
 )
 # Hypotheses about one row's reads; every other one is a rule a kernel applies to all rows.
 PER_ROW: frozenset[str] = frozenset({
-    "context-plus-1", "context-minus-1", "last-block-dropped", "page-from-unattended-block",
+    "context-plus-1", "context-minus-1", "last-block-dropped", "last-partial-page-dropped",
+    "page-from-unattended-block",
     "page-from-null-block", "neighbouring-block", "block-0", "other-request-table",
     "other-query-token-selection", "other-query-token-query"})
 # Every hypothesis, in tie-break order (rules of page ids first).
 HYPOTHESIS_NAMES: tuple[str, ...] = (
     "page-stride-8", "page-stride-16", "page-id-mod-2**16", "page-id-mod-2**15",
-    "context-plus-1", "context-minus-1", "last-block-dropped",
+    "context-plus-1", "context-minus-1", "last-block-dropped", "last-partial-page-dropped",
     "k-read-from-v-side", "v-read-from-k-side", "kv-sides-swapped", "v-view-offset-7",
     "v-view-offset-9", "kv-scales-swapped", "kv-scales-missing", "k-scale-missing",
     "v-scale-missing", "kv-scales-applied-twice", *(f"fp8-read-as-{d}" for d in FP8_DTYPES),
     "softmax-scale-missing", "softmax-scale-applied-twice", "softmax-scale-default",
-    "softcap-ignored", "sliding-window-ignored", "query-heads-shifted",
-    "query-heads-shifted-back", "page-from-unattended-block",
+    "softcap-ignored", "sliding-window-ignored", "sliding-window-plus-1",
+    "sliding-window-minus-1", "softmax-unshifted", "query-heads-shifted",
+    "query-heads-shifted-back", "kv-heads-interleaved", "kv-heads-page-major",
+    "page-from-unattended-block",
     "page-from-null-block", "neighbouring-block", "block-0", "block-ids-plus-1",
     "block-ids-minus-1", "other-request-table", "other-query-token-selection",
     "other-query-token-query", ZERO_WEIGHTED,

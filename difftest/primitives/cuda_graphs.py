@@ -1,12 +1,12 @@
 """CUDA graphs of pure tensor functions whose argument shapes repeat from case to case.
 
-At production shape a case's comparison is about sixty small device ops, each costing more
-host time to launch than device time to run (1.4 ms of wall against 0.12 ms of device time
-on the H200). :class:`GraphCache` records such a function as a CUDA graph the second time it
-sees the same signature (the arguments' shapes, strides, dtypes and device, and the
-function's static parameters), then replays it: the same kernels with the same launch
-parameters, so the same bits, for one launch and a few copies. Elsewhere (the CPU, a
-signature seen once, a function that cannot be captured) the function runs as it is.
+A case's comparison is many small device ops, each costing more host time to launch than
+device time to run (docs/performance.md). :class:`GraphCache` records such a function as a
+CUDA graph the second time it sees the same signature (the arguments' shapes, strides,
+dtypes and device, and the function's static parameters), then replays it: the same kernels
+with the same launch parameters, so the same bits, for one launch and a few copies.
+Elsewhere (the CPU, a signature seen once, a function that cannot be captured) the function
+runs as it is.
 
 A replay's outputs live in the graph's own memory and are overwritten by its next replay:
 callers read them (to the host, or into tensors of their own) before calling again, or ask

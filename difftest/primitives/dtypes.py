@@ -56,3 +56,9 @@ def underflow_unit(name: str) -> float:
     ``|e| <= this``). ``tfloat32`` has float32's exponent range."""
     info = torch.finfo(torch_dtype("float32" if name == "tfloat32" else name))
     return float(info.smallest_normal * info.eps) / 2
+
+
+def smallest_normal(name: str) -> float:
+    """The smallest positive normal value of the dtype called ``name`` (``tfloat32``:
+    float32's): what a flush-to-zero stage may turn into 0."""
+    return float(torch.finfo(torch_dtype("float32" if name == "tfloat32" else name)).tiny)
