@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report), and
@@ -15,6 +15,8 @@
 # reference: the reference's fused Triton kernels natively (their masks are each segment's
 #        attended tokens, difftest.case.selection) against the torch formulation, and the
 #        recorded inputs and verdicts bit for bit (a subset of suite, quick);
+# long:  the long-context stratum (rows of 64k-256k tokens, caches past int32 element
+#        offsets) with the serving terms natively;
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI);
 # installed: the installed differential suite, `pytest -n 4 --pyargs difftest.kernel_tests`,
 #        from a directory outside the checkout (one GPU per worker, JUnit and report kept);
@@ -34,7 +36,7 @@
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -72,6 +74,10 @@ if [ "$part" = gluon ] || [ "$part" = all ]; then
   gluon=aiter-gluon,vllm-aiter,aiter-gluon@compiled,vllm-aiter@compiled
   step gluon "$py" -m difftest.cli run --device cuda --examples 40 \
     --backends "torch-ref,$gluon" --optional "$gluon" --report "$out/gluon.json"
+fi
+if [ "$part" = long ] || [ "$part" = all ]; then
+  step long "$py" -m pytest -q -rs -p no:cacheprovider tests/test_serving_terms.py \
+    -k natively
 fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider

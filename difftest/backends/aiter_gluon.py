@@ -61,6 +61,7 @@ from difftest.contract.kernel_call import (
     scale_class,
 )
 from difftest.contract.registry import OptionSpec
+from difftest.inputs import serving_terms
 from difftest.machine import gpus
 from difftest.machine.fingerprint import aiter_commit
 from difftest.primitives.dtypes import torch_dtype
@@ -124,17 +125,21 @@ def emulated_arch(case: Case) -> str:
     return "gfx942" if case.kv_dtype == "float8_e4m3fnuz" else "gfx950"
 
 
-def gluon_unsupported(case: Case, device: torch.device, emulated: bool) -> str | None:
-    """What ``pa_decode_gluon`` refuses; the real kernel also needs its GPU's fp8 flavour."""
+def gluon_unsupported(case: Case, device: torch.device, emulated: bool,
+                      sinks: bool = False) -> str | None:
+    """What ``pa_decode_gluon`` refuses; the real kernel also needs its GPU's fp8 flavour.
+    ``sinks``: the caller passes the case's attention sinks (the contract's ``sinks``)."""
     geometry = case.outside_model_geometry()
     if geometry:
         return (f"{geometry}: the MiniMax-M3 pa_decode_gluon callers (the adapter's K-trim "
                 "and page-16 table, vLLM's builder, the emulator) address MiniMax-M3's "
                 "geometry only (head_dim 128, 128-token blocks of 16-token pages, one KV "
                 "head, an LBHNC or LHBNC cache)")
-    if case.kernel_modes:
-        return (f"{' and '.join(case.kernel_modes)}: the MiniMax-M3 sparse decode has no such "
-                "mode, so neither pa_decode_gluon caller passes one")
+    modes = [m for m in case.kernel_modes if not (sinks and m == "sinks")]
+    if modes:
+        return (f"{' and '.join(modes)}: the MiniMax-M3 sparse decode has no such "
+                "mode, so this pa_decode_gluon caller passes none (the adapter passes a "
+                "case's sinks; vLLM's MiniMax-M3 path passes sinks=None)")
     if case.query_dtype == "float32":
         return ("AITER pa_decode_gluon asserts a query dtype in [fp8, bfloat16, float16]; "
                 "float32 queries are not supported")
@@ -251,7 +256,7 @@ def gluon_arguments(
         temporary_output=torch.empty((*scratch, case.head_dim), dtype=output.dtype,
                                      device=inputs.device),
         alibi_slopes=None,
-        sinks=None,
+        sinks=serving_terms.sinks(case, inputs.device),  # None without sinks
         sliding_window=0,
         ps=True,
     )
@@ -272,6 +277,7 @@ class GluonCaller:
     in_page_orders = ("shuffled",)
     real_options: OptionSpec
     emulated_options: OptionSpec
+    takes_sinks = False  # whether the caller passes a case's sinks (the contract has them)
 
     def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
         self.emulated = emulated
@@ -285,7 +291,7 @@ class GluonCaller:
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """fp32 queries; on real AITER also a CPU device or a non-native fp8 flavour."""
-        return gluon_unsupported(case, device, self.emulated)
+        return gluon_unsupported(case, device, self.emulated, self.takes_sinks)
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """See :func:`gluon_precision` (the output buffer is bf16 for fp8, else the query's)."""
@@ -312,10 +318,12 @@ class GluonCaller:
 
 
 class AiterGluon(GluonCaller):
-    """The adapter to the real ``pa_decode_gluon`` or, ``emulated``, to the emulator."""
+    """The adapter to the real ``pa_decode_gluon`` or, ``emulated``, to the emulator; it
+    passes a case's attention sinks (vLLM's MiniMax-M3 path, ``vllm-aiter``, passes none)."""
 
     real_options = REAL_OPTIONS
     emulated_options = EMULATED_OPTIONS
+    takes_sinks = True
 
     @property
     def _splits(self) -> int | None:
@@ -359,7 +367,8 @@ class AiterGluon(GluonCaller):
         args = gluon_arguments(inputs, self.options["k_trim"], self.options["scales"],
                                self._splits, fp8, self._recommended_splits(case))
         kernel(**args)
-        inputs.state(gluon_statement(kernel, args, case, self.options["splits"]))
+        inputs.state(gluon_statement(kernel, args, case, self.options["splits"],
+                                     self.takes_sinks))
         return args["output"]
 
 
@@ -385,8 +394,10 @@ GLUON_FIXED = {
 
 
 def gluon_statement(kernel: Callable[..., Any], args: Mapping[str, Any], case: Case,
-                    splits: str) -> KernelCall:
-    """The statement of the ``pa_decode_gluon`` call made with ``args``."""
+                    splits: str, takes_sinks: bool = False) -> KernelCall:
+    """The statement of the ``pa_decode_gluon`` call made with ``args`` (``takes_sinks``:
+    the caller passes the case's sinks, so they vary)."""
+    fixed = {k: v for k, v in GLUON_FIXED.items() if not (takes_sinks and k == "sinks")}
     table, ctx, value = args["block_tables"], args["context_lengths"], args["value_cache"]
     valid = torch.arange(table.shape[1], device=table.device)[None] < (
         (ctx[:, None] + case.page_size - 1) // case.page_size)
@@ -399,7 +410,7 @@ def gluon_statement(kernel: Callable[..., Any], args: Mapping[str, Any], case: C
         "max_context_partition_num": f"{args['max_context_partition_num']} ({splits})",
         "key_scale": scale_class(case.k_scale if case.is_fp8 else None),
         "value_scale": scale_class(case.v_scale if case.is_fp8 else None),
-    }, fixed=GLUON_FIXED, sizes={
+    }, fixed=fixed, sizes={
         "head_dim": (case.head_dim, "query.shape[2], value_cache.shape[3]"),
         "page_size": (case.page_size, "key_cache.shape[3]"),
         "num_kv_heads": (case.num_kv_heads, "key_cache.shape[1]")})

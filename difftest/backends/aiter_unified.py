@@ -47,7 +47,7 @@ from difftest.backends.triton_unified import (
     M3,
     MODE_OFF,
 )
-from difftest.backends.unified_call import unified_attention_arguments
+from difftest.backends.unified_call import real_output, unified_attention_arguments
 from difftest.backends.vllm_imports import triton_precision
 from difftest.case.selection import kernel_sequences
 from difftest.case.spec import Case
@@ -77,9 +77,7 @@ FIXED = {  # why a parameter of AITER's unified_attention does not vary (values 
               "it is the causal mask within the request",
     "softcap": MODE_OFF, "window_size": MODE_OFF, "q_descale": MODE_OFF,
     "max_seqlen_q": "1 per row; the query_lens mode passes a request as one sequence",
-    "alibi_slopes": f"{M3} has no ALiBi", "qq_bias": f"{M3} has no query-query bias",
-    "output_scale": f"{M3} writes a bf16/fp16 output, not fp8",
-    "sinks": "the case model has no attention sinks",
+    "qq_bias": f"{M3} has no query-query bias",
     "q_scales": "per-block query scales are AITER's FP4 (A4W4) path",
     "skip_reduce": "the 3-D kernel's reduction is part of the call under test",
     "shuffled_kv_cache": "aiter-unified reads the plain views; aiter-unified@shuffled the "
@@ -181,6 +179,12 @@ class AiterUnified:
             if self.shuffled:
                 return ("fp8 queries on shuffled fp8 views: AITER asserts block_size >= 32 "
                         "for A8W8 with a pre-shuffled cache; these views have 16-token pages")
+        if case.kv_quant == "per_token_head":
+            return ("AITER's unified_attention has no per-token-head scale caches (one "
+                    "k_descale and v_descale per tensor)")
+        if case.output_scale and torch_dtype(case.output_dtype) != self._fp8_type(case, device):
+            return (f"an fp8 output in {case.output_dtype}: AITER saturates it at its fp8 "
+                    f"type's maximum, {self._fp8_type(case, device)}'s")
         if not case.is_fp8 and case.query_dtype != case.kv_dtype and (
                 CASTS_KV not in self._kernel_source(IMPL_FILES)):
             return (f"AITER {self._version()}'s unified_attention converts only fp8 K/V to "
@@ -193,7 +197,7 @@ class AiterUnified:
         """K/V dequantised to (or converted into) the query dtype, P in it; fp8 queries: q,
         K, V and P in fp8, the output in the query dtype."""
         if case.q_scale:
-            return Precision(case.kv_dtype, case.kv_dtype, case.query_dtype)
+            return Precision(case.kv_dtype, case.kv_dtype, case.output_dtype)
         return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
@@ -286,7 +290,7 @@ class AiterUnified:
             result = unified_attention(**arguments)
         inputs.state(self._statement(unified_attention, arguments, case, device))
         # Releases whose single-segment 3-D path writes `out` in place return it too.
-        return out if result is None else result
+        return real_output(case, out if result is None else result)
 
     def _kernel_import(self, case: Case) -> KernelImport:
         """How a script outside difftest gets this ``unified_attention``: from the

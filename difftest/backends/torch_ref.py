@@ -19,8 +19,10 @@ import torch
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
 from difftest.contract.tolerance import Reference
+from difftest.inputs import serving_terms
 from difftest.inputs.case_data import Segments
 from difftest.primitives.cuda_graphs import GraphCache
+from difftest.primitives.dtypes import finite_max
 
 if TYPE_CHECKING:
     from difftest.backends._reference_triton import Stored
@@ -77,8 +79,14 @@ class TorchReference:
             shape = (case.total_q, case.num_q_heads, case.head_dim)
             zeros = torch.zeros(shape, dtype=torch.float64, device=device)
             return Reference(zeros, zeros.clone(), zeros[..., 0].clone(), seg.context_lens)
-        mode = _Mode(case.block_size, case.softmax_scale * case.k_scale, case.v_scale,
-                     case.softcap, max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim)))
+        token_scales = case.kv_quant == "per_token_head"
+        mode = _Mode(case.block_size,
+                     case.softmax_scale * (1.0 if token_scales else case.k_scale),
+                     1.0 if token_scales else case.v_scale,
+                     case.softcap,
+                     max(1, ELEMENTS_PER_CHUNK // (length * case.head_dim)),
+                     case.sinks, case.alibi, token_scales)
+        heads = _head_terms(case, device)
         # GQA: query head h reads KV head h // (Hq / Hkv); one pass per KV head
         group = case.queries_per_kv
         parts = []
@@ -86,13 +94,72 @@ class TorchReference:
             query = data.query[:, g * group:(g + 1) * group]
             if case.num_kv_heads > 1:  # contiguous operands (one head: the tensors as they are)
                 query = query.contiguous()
-            args = (query, data.k_stored[:, :, g].contiguous(),  # [blocks, B, D]
-                    data.v_stored[:, :, g].contiguous(),
-                    seg.slots, seg.tokens, seg.first, seg.context_lens)
+            k, v = data.k_stored[:, :, g], data.v_stored[:, :, g]  # [blocks, B, D]
+            if token_scales:  # dequantised per token, exactly (float32 scales in float64)
+                k = _dequantised(k, data.k_token_scales, g)
+                v = _dequantised(v, data.v_token_scales, g)
+            args = (query, k.contiguous(), v.contiguous(),
+                    seg.slots, seg.tokens, seg.first, seg.context_lens,
+                    heads[g * group:(g + 1) * group].contiguous())
             parts.append(_GRAPHS(_sums, args, mode))
         out, abs_out, magnitude = (torch.cat(p, dim=1) if len(parts) > 1 else p[0]
                                    for p in zip(*parts, strict=True))
-        return Reference(out, abs_out, magnitude, seg.context_lens)
+        if case.output_scale:  # the kernel saturates the scaled output at the fp8 maximum
+            limit = finite_max(case.output_dtype) * case.output_scale
+            out = out.clamp(-limit, limit)
+        return Reference(out, abs_out, magnitude, seg.context_lens,
+                         _bias_magnitude(case, heads) if case.sinks or case.alibi else None)
+
+
+# ----- serving terms (sinks, ALiBi, per-token-head scales; docs/reference.md#serving-terms) --
+
+def _head_terms(case: Case, device: torch.device) -> torch.Tensor:
+    """``[Hq, 2]`` float64: each query head's sink logit (``-inf`` without sinks) and ALiBi
+    slope (0 without ALiBi), the float32 values the kernels read."""
+    heads = torch.zeros((case.num_q_heads, 2), dtype=torch.float64, device=device)
+    heads[:, 0] = float("-inf")
+    sink_values, slopes = serving_terms.sinks(case, device), serving_terms.alibi_slopes(
+        case, device)
+    if sink_values is not None:
+        heads[:, 0] = sink_values.to(torch.float64)
+    if slopes is not None:
+        heads[:, 1] = slopes.to(torch.float64)
+    return heads
+
+
+def _dequantised(stored: torch.Tensor, scales: torch.Tensor | None, head: int) -> torch.Tensor:
+    """One KV head's stored values times their per-token scales, float64 (exact)."""
+    assert scales is not None, "per-token-head case data without its scales"
+    return stored.to(torch.float64) * scales[:, :, head, None].to(torch.float64)
+
+
+def _bias_magnitude(case: Case, heads: torch.Tensor) -> torch.Tensor:
+    """Per ``[total_q, Hq]``: ``|sink|`` plus ALiBi's offset at the row's own token as vLLM's
+    kernels form it (``slope * (t - context_len)``, ``context_len`` the sequence's tokens
+    before its first query token: up to ``query_len - 1`` for a row of a prefill request)."""
+    offsets = torch.tensor([case.query_len(case.request_of_row(r)) - 1
+                            for r in range(case.total_q)], dtype=torch.float64,
+                           device=heads.device)
+    sink = heads[:, 0].nan_to_num(neginf=0.0).abs()
+    return sink[None, :] + offsets[:, None] * heads[None, :, 1]
+
+
+def _serving_softmax(mode: _Mode, scores: torch.Tensor, heads: torch.Tensor,
+                     seg: Segments, rows: slice) -> torch.Tensor:
+    """The weights of ``scores`` (``[R, H, L]``, masked ones ``-inf``): ALiBi's
+    ``slope_h * (t - (n - 1))`` added to the ``t``-th of a row's ``n`` attended tokens, and
+    each head's sink in the denominator; plain softmax without them."""
+    if mode.alibi:
+        token = torch.arange(mode.block_size, device=scores.device)
+        tokens = seg.tokens[rows]  # each segment's context tokens, the window's included
+        starts = tokens.cumsum(dim=1) - tokens  # the row's ordinal of each segment's token 0
+        ordinal = (starts[:, :, None] + token).view(scores.shape[0], 1, -1)
+        offset = ordinal - (seg.context_lens[rows, None, None] - 1)
+        scores = scores + heads[None, :, 1, None] * offset.to(scores.dtype)
+    if not mode.sinks:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    sink = heads[None, :, 0, None].expand(scores.shape[0], -1, 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
 
 
 class _Mode(NamedTuple):
@@ -103,6 +170,9 @@ class _Mode(NamedTuple):
     v_scale: float
     softcap: float
     rows_per_chunk: int
+    sinks: bool = False
+    alibi: bool = False
+    token_scales: bool = False  # K/V handed over dequantised per token (float64)
 
 
 _GRAPHS = GraphCache(capacity=2, copy_outputs=True)
@@ -110,7 +180,8 @@ _GRAPHS = GraphCache(capacity=2, copy_outputs=True)
 
 def _sums(query: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
           slots: torch.Tensor, tokens: torch.Tensor, first: torch.Tensor,
-          context_lens: torch.Tensor, mode: _Mode) -> tuple[torch.Tensor, ...]:
+          context_lens: torch.Tensor, heads: torch.Tensor,
+          mode: _Mode) -> tuple[torch.Tensor, ...]:
     """The reference's output, ``sum p|v| * v_scale`` and logit magnitudes, by chunks of
     rows; a pure function of its tensors and ``mode``, with no host synchronisation."""
     f64, f32 = torch.float64, torch.float32
@@ -122,14 +193,14 @@ def _sums(query: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
     query_sq = query.to(f32).square()  # exact but for float32 and fp8 (float64) q
     query = query.to(f64)
     chunk = _chunk_torch
-    if _triton_reads(k_stored):  # the kernels' operands, once for every chunk (exact)
+    if _triton_reads(k_stored) and not mode.token_scales:  # the kernels' operands (exact)
         from difftest.backends._reference_triton import readable
 
         chunk, k_stored, v_stored = _chunk_triton, readable(k_stored), readable(v_stored)
     for start in range(0, total_q, mode.rows_per_chunk):
         rows = slice(start, min(start + mode.rows_per_chunk, total_q))
         out[rows], abs_sum, sums = chunk(mode, seg, rows, query[rows], query_sq[rows],
-                                         k_stored, v_stored)
+                                         k_stored, v_stored, heads)
         # max of the sums first: sqrt, the positive scale and the softcap are monotone,
         # so the max commutes with them exactly; -1 marks a row that attends nothing
         largest = sums.amax(dim=-1).to(f64)
@@ -148,7 +219,8 @@ def _softcapped(mode: _Mode, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
-                 q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor) -> Chunk:
+                 q_sq: torch.Tensor, k_stored: torch.Tensor, v_stored: torch.Tensor,
+                 heads: torch.Tensor) -> Chunk:
     """One chunk of rows: ``sum p v * v_scale``, ``sum p |v|`` and the float32 ``q^2 . k^2``
     sums (``-1`` where masked), from gathered blocks and torch GEMMs."""
     f64, f32 = torch.float64, torch.float32
@@ -162,7 +234,7 @@ def _chunk_torch(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
     k = k_gathered.to(f64)
     scores = _softcapped(mode, torch.einsum("rhd,rld->rhl", q, k) * mode.logit_scale)
     del k
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    probs = _serving_softmax(mode, scores.masked_fill(~mask, float("-inf")), heads, seg, rows)
     v = v_stored[slots].view(n, length, -1)
     out = torch.einsum("rhl,rld->rhd", probs, v.to(f64)) * mode.v_scale
     with _full_float32_matmul():
@@ -191,7 +263,8 @@ def _power_of_two(n: int) -> bool:
 
 
 def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
-                  q_sq: torch.Tensor, k_stored: Stored, v_stored: Stored) -> Chunk:
+                  q_sq: torch.Tensor, k_stored: Stored, v_stored: Stored,
+                  heads: torch.Tensor) -> Chunk:
     """:func:`_chunk_torch`'s three results from two fused kernels that read the blocks
     themselves (``k_stored``/``v_stored`` as the kernels read them; the same sums in other
     orders; the same softmax)."""
@@ -203,7 +276,7 @@ def _chunk_triton(mode: _Mode, seg: Segments, rows: slice, q: torch.Tensor,
     scores.mul_(mode.logit_scale)  # masked logits stay -inf
     if mode.softcap:
         scores = torch.where(scores == float("-inf"), scores, _softcapped(mode, scores))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    probs = _serving_softmax(mode, scores, heads, seg, rows)
     out, abs_sum = kernels.weighted_values(probs, v_stored, slots)
     return out.sum(dim=2) * mode.v_scale, abs_sum.to(torch.float64).sum(dim=2), sums
 

@@ -38,13 +38,14 @@ from typing import Any
 
 import torch
 
-from difftest.backends.unified_call import unified_attention_arguments
+from difftest.backends.unified_call import real_output, unified_attention_arguments
 from difftest.backends.vllm_adapter import INTERPRETER_BF16_FINDING, VllmAdapter
 from difftest.backends.vllm_imports import triton_precision
 from difftest.case.selection import kernel_sequences, unified_query_blocks
 from difftest.case.spec import Case
 from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
+from difftest.inputs import serving_terms
 from difftest.primitives.dtypes import dtype_name
 
 INTERPRETER_FP8_QUERY_FINDING = (
@@ -70,13 +71,10 @@ FIXED = {  # why a parameter of unified_attention does not vary (values still sh
     "max_seqlen_q": "1 per row; the query_lens mode passes a request as one sequence",
     "seq_threshold_3D": TWO_D, "num_par_softmax_segments": TWO_D,
     "softmax_segm_output": TWO_D, "softmax_segm_max": TWO_D, "softmax_segm_expsum": TWO_D,
-    "alibi_slopes": f"{M3} has no ALiBi", "use_alibi_sqrt": f"{M3} has no ALiBi",
-    "output_scale": f"{M3} writes a bf16/fp16 output, not fp8",
-    "qq_bias": f"{M3} has no query-query bias", "sinks": f"{M3} passes no attention sinks",
+    "use_alibi_sqrt": "the ALiBi of the serving terms is the linear one (Press et al.)",
+    "qq_bias": f"{M3} has no query-query bias",
     "mm_prefix_range": f"{M3} has no multimodal prefix",
     "rswa_prefix_lens": f"{M3} has no R-SWA", "rswa_window": f"{M3} has no R-SWA",
-    "k_scale_cache": "per-tensor fp8 scales only (0-d k/v scales)",
-    "v_scale_cache": "per-tensor fp8 scales only (0-d k/v scales)",
     "chunk_lookback": f"{M3} has no chunked attention",
     "use_td": "tensor descriptors are an Intel Xe path",
     "mm_prefix_clamp_sliding_window": "a Gemma4 switch",
@@ -140,11 +138,42 @@ class TritonUnifiedAttention(VllmAdapter):
             reason = self._fp8_query_reason(case)
             if reason:
                 return reason
+        reason = self._serving_terms_reason(case, device)
+        if reason:
+            return reason
         if not case.is_fp8 and case.query_dtype != case.kv_dtype and not self._casts_kv():
             return (f"vLLM {self.version()}'s unified_attention has no kv_quant_mode and casts "
                     f"only fp8 K/V to the query dtype: a {case.kv_dtype} cache needs "
                     f"{case.kv_dtype} queries (tl.dot rejects {case.query_dtype} x "
                     f"{case.kv_dtype})")
+        return None
+
+    def _serving_terms_reason(self, case: Case, device: torch.device) -> str | None:
+        """Why this release cannot run the case's serving terms here, if it cannot: a
+        parameter it lacks; an fp8 output in another format than the platform's (the kernel
+        saturates at its platform's fp8 maximum); per-token-head scales without
+        ``FP8_PER_TOKEN_HEAD``."""
+        if not case.serving_terms:
+            return None
+        parameters = inspect.signature(self._kernel()).parameters
+        wanted = {"sinks": "sinks", "alibi": "alibi_slopes", "output_scale": "output_scale",
+                  "kv_quant": "k_scale_cache"}
+        lacking = [wanted[t] for t in case.serving_terms if wanted[t] not in parameters]
+        if lacking:
+            return (f"vLLM {self.version()}'s unified_attention has no "
+                    f"{', '.join(lacking)}")
+        if case.kv_quant == "per_token_head" and not hasattr(
+                self._kernel().__globals__.get("KVQuantMode"), "FP8_PER_TOKEN_HEAD"):
+            return (f"vLLM {self.version()}'s KVQuantMode has no FP8_PER_TOKEN_HEAD "
+                    "(per-token-head scale caches)")
+        if case.output_scale:
+            from vllm.platforms import current_platform
+
+            platform = (self.arch.fp8 if self.arch
+                        else dtype_name(current_platform.fp8_dtype()))
+            if case.output_dtype != platform:
+                return (f"an fp8 output in {case.output_dtype}: vLLM saturates it at its "
+                        f"platform's fp8 maximum, {platform}'s")
         return None
 
     def _fp8_query_reason(self, case: Case) -> str | None:
@@ -178,7 +207,7 @@ class TritonUnifiedAttention(VllmAdapter):
         K and V stay fp8 and the probabilities are rounded to fp8 (``P * 256`` for the
         fp8 ``P @ V`` dot), the output in the query dtype."""
         if case.q_scale:
-            return Precision(case.kv_dtype, case.kv_dtype, case.query_dtype)
+            return Precision(case.kv_dtype, case.kv_dtype, case.output_dtype)
         return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
@@ -213,6 +242,8 @@ class TritonUnifiedAttention(VllmAdapter):
         if self._casts_kv():
             modes = unified_attention.__globals__["KVQuantMode"]
             arguments["kv_quant_mode"] = modes.FP8_PER_TENSOR if case.is_fp8 else modes.NONE
+        if case.kv_quant == "per_token_head":
+            arguments |= self._scale_caches(inputs, arguments["k"].shape[0])
         unified_attention(**arguments)
         ran = "2D"
         if scratch and bool((ctx > 0).any()):
@@ -227,7 +258,18 @@ class TritonUnifiedAttention(VllmAdapter):
                                    f"{case.seq_threshold_3d}, "
                                    f"{len(arguments['seqused_k'])} sequences)")
         inputs.state(self._statement(arguments, case, ran))
-        return out
+        return real_output(case, out)
+
+    def _scale_caches(self, inputs: RunInputs, pages: int) -> dict[str, Any]:
+        """``FP8_PER_TOKEN_HEAD`` and its scale caches over the views' page ids (the
+        per-tensor descales stay, unread in this mode)."""
+        case, data = inputs.case, inputs.data
+        modes = self._kernel().__globals__["KVQuantMode"]
+        caches = {f"{side}_scale_cache": serving_terms.scale_cache(
+            case, scales, data.block_ids, pages)
+            for side, scales in (("k", data.k_token_scales), ("v", data.v_token_scales))
+            if scales is not None}
+        return {"kv_quant_mode": modes.FP8_PER_TOKEN_HEAD, **caches}
 
     def _statement(self, arguments: dict[str, Any], case: Case, ran: str) -> Any:
         """The statement of the ``unified_attention`` call made with ``arguments``."""

@@ -76,6 +76,9 @@ class VllmDecodeAttention(VllmAdapter):
             return f"vLLM {self.version()}'s decode_attention_fwd has no sliding window"
         if case.q_scale:
             return "decode_attention_fwd has no query descale (fp8 queries)"
+        if case.serving_terms:
+            return (f"decode_attention_fwd has no {' and '.join(case.serving_terms)} "
+                    "(no sinks, ALiBi slopes, fp8 output or per-token-head scale caches)")
         if case.is_fp8 and "k_scale" not in self._parameters():
             return (f"vLLM {self.version()}'s decode_attention_fwd has no k_scale/v_scale "
                     "(fp8 caches)")

@@ -81,13 +81,13 @@ def triton_availability() -> Availability:
 
 
 def triton_precision(case: Case, device: torch.device) -> Precision:
-    """vLLM's Triton attention: K/V dequantised to the query dtype, P and output in it;
-    float32 dots use tf32 on GPUs."""
+    """vLLM's Triton attention: K/V dequantised to the query dtype, P and output in it (an
+    fp8 output with ``output_scale``); float32 dots use tf32 on GPUs."""
     q = case.query_dtype
     if q == "float32":
         work = "tfloat32" if device.type == "cuda" else "float32"
-        return Precision(work, work, "float32")
-    return Precision(q, q, q)
+        return Precision(work, work, case.output_dtype)
+    return Precision(q, q, case.output_dtype)
 
 
 def kernel_availability(module: str) -> Availability:

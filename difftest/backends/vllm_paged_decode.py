@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from difftest.backends.unified_call import real_output, serving_arguments
 from difftest.backends.vllm_adapter import INTERPRETER_BF16_FINDING, VllmAdapter
 from difftest.backends.vllm_arch import OnceLogger
 from difftest.backends.vllm_imports import load_vllm_kernel, triton_precision
@@ -46,7 +47,7 @@ from difftest.contract.backend import Availability, EmptyRowOutput, Precision, R
 from difftest.contract.exported_call import ExportedCall, KernelImport
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.machine import devices
-from difftest.primitives.dtypes import torch_dtype
+from difftest.primitives.dtypes import dtype_name, torch_dtype
 
 MAX_TRITON_BLOCK_SIZE = 128  # the wrapper's cap on the Triton tile
 NON_POW2_TILE = 32  # the wrapper's tile for page sizes that are not a power of 2
@@ -54,12 +55,6 @@ M3 = "MiniMax-M3's decode"
 SHAPES = ("follows from the cache's shapes (head size, KV heads, page size): one value "
           "over cases of one geometry, such as the sparse family's MiniMax-M3 pages")
 FIXED = {
-    "sink_ptr": f"{M3} passes no attention sinks",
-    "alibi_slopes_ptr": f"{M3} has no ALiBi",
-    "out_scale_inv": f"{M3} writes a bf16/fp16 output, not fp8 (output_scale None -> 1.0)",
-    "USE_ALIBI_SLOPES": f"{M3} has no ALiBi",
-    "USE_SINKS": f"{M3} passes no attention sinks",
-    "USE_FP8": f"{M3} writes a bf16/fp16 output, not fp8",
     "filter_by_query_len": "the wrapper always passes True (decode rows only; rows of longer "
                            "sequences are the prefill kernel's)",
     "query_start_len_ptr": "each query row is its own sequence of one query token over its "
@@ -151,6 +146,12 @@ class VllmPagedDecode(VllmAdapter):
                     "on releases without it)")
         if case.q_scale:
             return "kernel_paged_attention_2d has no query descale (fp8 queries)"
+        if case.kv_quant == "per_token_head":
+            return ("kernel_paged_attention_2d has no per-token-head scale caches (one k_scale "
+                    "and v_scale per tensor)")
+        if case.output_scale and case.output_dtype != self._platform_fp8():
+            return (f"an fp8 output in {case.output_dtype}: the kernel saturates it at its "
+                    f"platform's fp8 maximum, {self._platform_fp8()}'s")
         if not case.is_fp8 and case.query_dtype != case.kv_dtype:
             return (f"kernel_paged_attention_2d dequantises only fp8 K/V to the query dtype: "
                     f"a {case.kv_dtype} cache needs {case.kv_dtype} queries (tl.dot)")
@@ -205,15 +206,18 @@ class VllmPagedDecode(VllmAdapter):
             value = views.v.permute(0, 2, 3, 1)
         table, ctx = inputs.sparse_table
         query = inputs.data.query
-        out = inputs.output(torch_dtype(case.query_dtype))
+        out = inputs.output(torch_dtype(case.output_dtype))
+        terms = serving_arguments(inputs)
         k_scale, v_scale = inputs.scales()
         group = case.num_q_heads // nkv
         starts = devices.to_device(torch.arange(case.total_q + 1, dtype=torch.int32),
                                    inputs.device)
         arguments: dict[str, Any] = dict(
             output_ptr=out, query_ptr=query, key_cache_ptr=key, value_cache_ptr=value,
-            sink_ptr=None, block_tables_ptr=table, seq_lens_ptr=ctx, alibi_slopes_ptr=None,
-            scale=case.softmax_scale, k_scale=k_scale, v_scale=v_scale, out_scale_inv=1.0,
+            sink_ptr=terms.get("sinks"), block_tables_ptr=table, seq_lens_ptr=ctx,
+            alibi_slopes_ptr=terms.get("alibi_slopes"), scale=case.softmax_scale,
+            k_scale=k_scale, v_scale=v_scale,
+            out_scale_inv=(1.0 / terms["output_scale"] if case.output_scale else 1.0),
             num_query_heads=case.num_q_heads, num_queries_per_kv=group,
             num_queries_per_kv_padded=max(triton.next_power_of_2(group), 16),
             block_table_stride=table.stride(0),
@@ -223,11 +227,11 @@ class VllmPagedDecode(VllmAdapter):
                         else NON_POW2_TILE),
             PHYSICAL_BLOCK_SIZE=value.shape[3], HEAD_SIZE=case.head_dim,
             HEAD_SIZE_PADDED=triton.next_power_of_2(case.head_dim),
-            USE_ALIBI_SLOPES=False, SLIDING_WINDOW=case.sliding_window, x=key.shape[4],
+            USE_ALIBI_SLOPES=case.alibi, SLIDING_WINDOW=case.sliding_window, x=key.shape[4],
             **{f"stride_k_cache_{i}": key.stride(i) for i in range(5)},
             **{f"stride_v_cache_{i}": value.stride(i) for i in range(4)},
-            filter_by_query_len=True, query_start_len_ptr=starts, USE_SINKS=False,
-            USE_FP8=False,
+            filter_by_query_len=True, query_start_len_ptr=starts, USE_SINKS=case.sinks,
+            USE_FP8=bool(case.output_scale),
         )
         if interleaved:
             arguments["INTERLEAVED_V_PACK_FACTOR"] = x
@@ -236,7 +240,7 @@ class VllmPagedDecode(VllmAdapter):
                                             arguments, (case.total_q, nkv), "output_ptr"))
             kernel[(case.total_q, nkv)](**arguments)
         else:
-            arguments = self._through_the_wrapper(inputs, arguments)
+            arguments = self._through_the_wrapper(inputs, arguments, terms)
         valid = torch.arange(table.shape[1], device=table.device)[None] < (
             (ctx[:, None] + case.page_size - 1) // case.page_size)
         inputs.state(kernel_call(kernel, arguments, labels={
@@ -246,7 +250,16 @@ class VllmPagedDecode(VllmAdapter):
             "k_scale": scale_class(case.k_scale if case.is_fp8 else None),
             "v_scale": scale_class(case.v_scale if case.is_fp8 else None),
         }, fixed=FIXED, sizes={"num_kv_heads": (nkv, "key_cache.shape[1], grid[1]")}))
-        return out
+        return real_output(case, out)
+
+    def _platform_fp8(self) -> str:
+        """The fp8 dtype the release's kernel saturates an fp8 output at (its platform's,
+        or the emulated arch's)."""
+        if self.arch is not None:
+            return self.arch.fp8
+        from vllm.platforms import current_platform
+
+        return dtype_name(current_platform.fp8_dtype())
 
     def _kernel_import(self) -> KernelImport:
         """How a script outside difftest gets this ``kernel_paged_attention_2d``: from the
@@ -255,8 +268,8 @@ class VllmPagedDecode(VllmAdapter):
         options = {"module": self.kernel_module_name, "name": "kernel_paged_attention_2d"}
         return KernelImport("vllm", load_vllm_kernel, options, tree)
 
-    def _through_the_wrapper(self, inputs: RunInputs, arguments: dict[str, Any]
-                             ) -> dict[str, Any]:
+    def _through_the_wrapper(self, inputs: RunInputs, arguments: dict[str, Any],
+                             terms: dict[str, Any]) -> dict[str, Any]:
         """Call the release's ``chunked_prefill_paged_decode`` on the tensors of
         ``arguments`` and return the kernel arguments its Triton branch passed (the launch
         parameters it chose are the reach record's)."""
@@ -271,7 +284,7 @@ class VllmPagedDecode(VllmAdapter):
             query_start_loc=arguments["query_start_len_ptr"], seq_lens=ctx,
             max_seq_len=int(ctx.max()), max_query_len=1, k_scale=arguments["k_scale"],
             v_scale=arguments["v_scale"], sliding_window=case.sliding_window,
-            sm_scale=case.softmax_scale, **extra)
+            sm_scale=case.softmax_scale, **terms, **extra)
         kernel = self._load()
         return {name: value for name, value in kernel.last.items() if name in kernel.arg_names}
 

@@ -47,10 +47,15 @@ SOFTCAP_RANGE = (1e-3, 1e4)
 # (``query_lens`` off also drops the rows it added).
 MODE_DEFAULTS: dict[str, Any] = {"softcap": 0.0, "sliding_window": 0, "canary": False,
                                  "q_scale": 0.0, "query_lens": (), "split_k_segments": 0,
-                                 "seq_threshold_3d": 0, "dense": False}
+                                 "seq_threshold_3d": 0, "dense": False, "sinks": False,
+                                 "alibi": False, "output_scale": 0.0, "kv_quant": "per_tensor"}
 # the modes a backend must run to run the case (canaries change only the data)
 KERNEL_MODE_FIELDS: tuple[str, ...] = ("softcap", "sliding_window", "q_scale", "query_lens",
                                        "split_k_segments", "dense")
+# the serving terms (docs/kernel-modes.md#serving-terms): arguments of the dense kernels that
+# MiniMax-M3 keeps off (gpt-oss's sinks, fused fp8 output, per-token-head scale caches, ALiBi)
+SERVING_TERM_FIELDS: tuple[str, ...] = ("sinks", "alibi", "output_scale", "kv_quant")
+KV_QUANTS: tuple[str, ...] = ("per_tensor", "per_token_head")
 
 
 # MiniMax-M3's cache geometry: the sparse family's, and all the M3 sparse decodes run
@@ -101,6 +106,16 @@ class Case:
     attention, not a sparse table); with ``dense`` off the same selections are a sparse case
     that happens to select everything.
 
+    Serving terms (off by default; docs/kernel-modes.md#serving-terms): ``sinks`` gives every
+    query head an attention sink, a logit with no value added to the softmax's denominator
+    (values from the seed: :mod:`difftest.inputs.serving_terms`); ``alibi`` adds
+    ``slope_h * (t - (n - 1))`` to the logit of a row's ``t``-th of ``n`` attended tokens
+    (the standard geometric slopes of ``num_q_heads`` heads); ``output_scale > 0`` stores the
+    output in fp8 (:attr:`output_dtype`) as ``fp8(o / output_scale)``, saturated, so the real
+    output is ``stored * output_scale``; ``kv_quant = "per_token_head"`` (fp8 KV) stores each
+    token's K and V of each KV head with its own scale (vLLM's ``FP8_PER_TOKEN_HEAD``
+    scale caches), drawn around ``k_scale``/``v_scale``.
+
     Geometry (docs/geometry.md): ``block_size`` tokens per cache block and ``page_size``
     tokens per kernel page, as ``kv_layout`` (:mod:`difftest.case.layouts`) allows them;
     ``head_dim`` one of :data:`HEAD_DIMS`; ``num_kv_heads`` 1..8 with ``num_q_heads`` a
@@ -133,6 +148,10 @@ class Case:
     split_k_segments: int = 0
     seq_threshold_3d: int = 0
     dense: bool = False
+    sinks: bool = False
+    alibi: bool = False
+    output_scale: float = 0.0
+    kv_quant: str = "per_tensor"
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -144,7 +163,8 @@ class Case:
             self, "selections", tuple(tuple(int(b) for b in row) for row in self.selections)
         )
         object.__setattr__(self, "query_lens", tuple(int(n) for n in self.query_lens))
-        for name in ("k_scale", "v_scale", "softmax_scale", "softcap", "q_scale"):
+        for name in ("k_scale", "v_scale", "softmax_scale", "softcap", "q_scale",
+                     "output_scale"):
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.sliding_window is None:
             object.__setattr__(self, "sliding_window", 0)
@@ -231,9 +251,24 @@ class Case:
     @property
     def kernel_modes(self) -> tuple[str, ...]:
         """The kernel modes this case switches on (of :data:`KERNEL_MODE_FIELDS`: softcap,
-        sliding window, fp8 queries, query lengths, split-K): a backend that cannot run one
-        must declare the case unsupported."""
-        return tuple(m for m in KERNEL_MODE_FIELDS if getattr(self, m) != MODE_DEFAULTS[m])
+        sliding window, fp8 queries, query lengths, split-K; and the serving terms of
+        :data:`SERVING_TERM_FIELDS`): a backend that cannot run one must declare the case
+        unsupported."""
+        return tuple(m for m in (*KERNEL_MODE_FIELDS, *SERVING_TERM_FIELDS)
+                     if getattr(self, m) != MODE_DEFAULTS[m])
+
+    @property
+    def serving_terms(self) -> tuple[str, ...]:
+        """The serving terms this case switches on (of :data:`SERVING_TERM_FIELDS`)."""
+        return tuple(m for m in SERVING_TERM_FIELDS if getattr(self, m) != MODE_DEFAULTS[m])
+
+    @property
+    def output_dtype(self) -> str:
+        """The dtype of the output: the query dtype, or with ``output_scale`` the platform's
+        fp8 (e4m3fnuz beside an e4m3fnuz cache, a ROCm MI300 case; else e4m3fn)."""
+        if not self.output_scale:
+            return self.query_dtype
+        return "float8_e4m3fnuz" if self.kv_dtype == "float8_e4m3fnuz" else "float8_e4m3fn"
 
     def mode_off(self, mode: str) -> Case:
         """This case with one kernel-mode field at its default. ``query_lens`` off keeps each
@@ -376,6 +411,7 @@ def validate(case: Case) -> None:
     if not isinstance(case.canary, bool):
         raise CaseError("canary", f"= {case.canary!r}", "true or false")
     _validate_new_modes(case)
+    _validate_serving_terms(case)
     if not 1 <= case.batch <= MAX_BATCH:
         raise CaseError("seq_lens", f"has {case.batch} requests", f"1..{MAX_BATCH} requests")
     if len(case.block_tables) != case.batch:
@@ -404,8 +440,11 @@ def validate(case: Case) -> None:
         raise CaseError("selections", f"has {len(case.selections)} rows",
                         f"{rows} = {case.total_q}")
     topk = len(case.selections[0])
-    if not 1 <= topk <= MAX_TOPK:
-        raise CaseError("selections[0]", f"has {topk} lanes", f"1..{MAX_TOPK} lanes (top-k)")
+    # a dense row lists every causal block: as many lanes as the longest request has blocks
+    most = cdiv(MAX_SEQ_LEN, case.block_size) if case.dense is True else MAX_TOPK
+    if not 1 <= topk <= most:
+        what = "(a dense case's causal blocks)" if case.dense is True else "(top-k)"
+        raise CaseError("selections[0]", f"has {topk} lanes", f"1..{most} lanes {what}")
     for n, row in enumerate(case.selections):
         if len(row) != topk:
             raise CaseError(f"selections[{n}]", f"has {len(row)} lanes",
@@ -453,6 +492,24 @@ def _validate_dense(case: Case) -> None:
         if lanes != expected:
             raise CaseError(f"selections[{n}]", f"= {list(lanes)} in a dense case",
                             f"its causal blocks in order, then -1: {list(expected)}")
+
+
+def _validate_serving_terms(case: Case) -> None:
+    """Sinks, ALiBi, fp8 output and per-token-head scales: types and ranges."""
+    for name in ("sinks", "alibi"):
+        if not isinstance(getattr(case, name), bool):
+            raise CaseError(name, f"= {getattr(case, name)!r}", "true or false")
+    scale = case.output_scale
+    if scale != 0.0:
+        low, high = SCALE_RANGE
+        if not (math.isfinite(scale) and low <= scale <= high):
+            raise CaseError("output_scale", f"= {scale!r}",
+                            f"0 (off: output in the query dtype) or finite {low:g}..{high:g}")
+    _check_choice("kv_quant", case.kv_quant, KV_QUANTS)
+    if case.kv_quant == "per_token_head" and not case.is_fp8:
+        raise CaseError("kv_quant", f"= 'per_token_head' with kv_dtype {case.kv_dtype}",
+                        "per_tensor: per-token-head scale caches hold fp8 K/V "
+                        "(vLLM's FP8_PER_TOKEN_HEAD)")
 
 
 def _validate_new_modes(case: Case) -> None:

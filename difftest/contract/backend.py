@@ -81,6 +81,10 @@ class Reference:
     abs_output: torch.Tensor
     logit_magnitude: torch.Tensor
     context_lens: torch.Tensor
+    bias_magnitude: torch.Tensor | None = None
+    """Per ``[total_q, Hq]``, the largest additive logit term a kernel forms in float32 at
+    the logits that carry a row's weight (a sink, ALiBi's offset at the row's own token);
+    ``None``: no such term (docs/tolerance.md#sinks-and-alibi)."""
 
 
 @runtime_checkable

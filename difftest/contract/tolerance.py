@@ -17,7 +17,13 @@ import torch
 
 from difftest.case.spec import Case
 from difftest.contract.backend import Precision, Reference
-from difftest.primitives.dtypes import is_fp8, smallest_normal, underflow_unit, unit_roundoff
+from difftest.primitives.dtypes import (
+    finite_max,
+    is_fp8,
+    smallest_normal,
+    underflow_unit,
+    unit_roundoff,
+)
 
 FACTOR = 3.0
 LOGIT_SIGMAS = 3.0
@@ -40,6 +46,10 @@ class Tolerance:
     rounds_kv: bool = True  # the stored K/V are rounded to ``precision.operands``
     rounds_products: bool = False  # each q_i k_i is rounded to ``precision.operands``
     accumulator_scale: float = 1.0  # a scale a kernel may apply after accumulating (v_scale)
+    # serving terms (docs/tolerance.md#serving-terms)
+    output_scale: float = 1.0  # an fp8 output's real units per stored unit
+    alibi: bool = False  # ALiBi's offsets: float32 logits of magnitude slope * distance
+    value_bound: float = VALUE_BOUND  # |v| a rounded weight multiplies
 
     @classmethod
     def of(cls, precision: Precision, case: Case) -> Tolerance:
@@ -48,12 +58,17 @@ class Tolerance:
         term as a rounded operand: docs/tolerance.md); an fp8 cache's ``v_scale`` may scale
         the accumulator."""
         scale = max(1.0, case.v_scale) if is_fp8(case.kv_dtype) else 1.0
+        # per-token-head scales multiply the weights, which are rounded against the stored V
+        terms = {"output_scale": case.output_scale or 1.0, "alibi": case.alibi,
+                 "value_bound": (finite_max(case.kv_dtype) if case.kv_quant == "per_token_head"
+                                 else VALUE_BOUND)}
         if case.q_scale or unit_roundoff(precision.operands) <= unit_roundoff("float32"):
             # fp8 x fp8 dots on GPUs; float32 accumulation error
-            return cls(precision, accumulator_scale=scale)
+            return cls(precision, accumulator_scale=scale, **terms)
         return cls(precision, rounds_query=case.query_dtype != precision.operands,
                    rounds_kv=case.kv_dtype != precision.operands,
-                   rounds_products=precision.rounded_products, accumulator_scale=scale)
+                   rounds_products=precision.rounded_products, accumulator_scale=scale,
+                   **terms)
 
     def bound(self, reference: Reference) -> torch.Tensor:
         """Allowed ``|actual - expected|`` for every element, float64."""
@@ -65,6 +80,8 @@ class Tolerance:
         # the operands' roundings, and the float32 sum of the dot's D products
         dot = math.sqrt(reference.output.shape[-1]) * u_32
         logit_err = (rounded * u_op + dot) * LOGIT_SIGMAS * reference.logit_magnitude
+        if reference.bias_magnitude is not None:  # sinks, ALiBi: float32 additions
+            logit_err = logit_err + 4 * u_32 * reference.bias_magnitude
         weight_err = (u_p + self.rounds_kv * u_op
                       + torch.expm1(2 * logit_err[..., None]))
         # the float32 sums of the numerator and of L over n terms (docs/tolerance.md)
@@ -72,6 +89,10 @@ class Tolerance:
         budget = (weight_err * reference.abs_output + u_out * reference.output.abs()
                   + sums[:, None, None] * (reference.abs_output + reference.output.abs())
                   + self.underflow(reference.context_lens)[:, None, None])
+        if self.alibi:  # the weights of far tokens, whose float32 logits carry large offsets
+            n = reference.context_lens.to(torch.float64)
+            far = (2 * reference.logit_magnitude + torch.log1p(n)[:, None])[..., None]
+            budget = budget + 2 * u_32 * self.value_bound * far
         return self.factor * budget
 
     def underflow(self, context_lens: torch.Tensor) -> torch.Tensor:
@@ -81,12 +102,12 @@ class Tolerance:
         stages = underflow_unit("float32") * self.accumulator_scale * (3 * n + 1)
         p = self.precision.probabilities
         if p in _FLOAT32_RANGE:
-            weights = underflow_unit(p) * VALUE_BOUND * n
+            weights = underflow_unit(p) * self.value_bound * n
         elif p == "float16":  # errors of random sign: their sum grows as sqrt(n)
-            weights = underflow_unit(p) * VALUE_BOUND * n.sqrt()
+            weights = underflow_unit(p) * self.value_bound * n.sqrt()
         else:
             weights = torch.zeros_like(n)
-        return stages + weights + self.output_floor()
+        return stages + weights + self.output_floor() * self.output_scale
 
     def output_floor(self) -> float:
         """The absolute error of storing an output: half the output dtype's smallest

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from difftest.case.spec import KV_LAYOUTS, Case, CaseError
 from difftest.contract.backend import Backend
-from difftest.generation.dense import dense_cases
+from difftest.generation.dense import CPU_COST, dense_cases
 from difftest.generation.strategies import DtypeCombo, cases, dtype_combos
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
 
@@ -267,6 +267,8 @@ class Capabilities:
         (the geometry is drawn whatever the backends say: a backend that runs MiniMax-M3's
         geometry only reports such a case ``unsupported``, with its reason)."""
         pairs = tuple(dict.fromkeys((q, kv) for _, q, kv in self.combos))
+        if self.device.type == "cpu":  # the cost model: what the interpreter runs in budget
+            options.setdefault("max_cost", CPU_COST)
         return dense_cases(pairs=pairs, kernel_modes=self.draws_modes, **options)
 
     def lines(self) -> list[str]:

@@ -29,12 +29,18 @@ class Cover:
     """The fp8 query scale."""
     threshold: str | None = None
     """The split-K threshold: ``"at"`` (3-D) or ``"below"`` (2-D) the query blocks."""
+    output_scale: float | None = None
+    """The fp8 output's scale (with ``"output_scale"`` among the modes)."""
 
     # the structure of both families
     query_len: int | None = None
     """The query tokens of the first request (prefill-like rows)."""
     long: bool = False
     """The first request longer than top-k 16 x 128 tokens (dense: 513-640 tokens)."""
+    long_rows: bool = False
+    """A row attending more than 2048 tokens: the sparse family's first request selects
+    more than 16 full blocks (where top-k 32 is allowed), the dense family's first request
+    has 2049-8192 tokens (:data:`difftest.generation.dense.LONG_ROW_TOKENS`)."""
     several_blocks: bool = False
     """The first request longer than one block."""
     kv_dtypes: tuple[str, ...] = ()
@@ -78,7 +84,8 @@ class Cover:
         """Whether these decisions need an fp8 cache: fp8 scales, or fp8 queries among the
         modes on (where the strategy draws kernel modes at all)."""
         return self.fp8_scales is not None or (
-            kernel_modes and self.modes is not None and "q_scale" in self.modes)
+            kernel_modes and self.modes is not None
+            and bool({"q_scale", "kv_quant"} & set(self.modes)))
 
 
 FREE = Cover()  # no decision fixed: a free draw

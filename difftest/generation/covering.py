@@ -50,12 +50,21 @@ SCHEDULE: tuple[Cover, ...] = (
     Cover(modes=("split_k_segments",), threshold="at", long=True, block_size=32, head_dim=96),
     Cover(modes=("query_lens",), query_len=MAX_3D_QUERY_LEN + 1, softmax_scale=1.0,
           block_size=64, head_dim=128),
-    Cover(modes=("canary",), tail=1, selection="empty-rows"),
+    # dense: a row attending 2049-8192 tokens (sparse: where top-k 32 is allowed)
+    Cover(modes=("canary",), tail=1, selection="empty-rows", long_rows=True),
     Cover(modes=(), large_cache=True, selection="indexer"),
     Cover(modes=("softcap",), softcap="model", selection="irregular", topk=16,
           decode_query_len=4),
     Cover(modes=("split_k_segments",), threshold="below", tail=1, padded=True),
     Cover(modes=("query_lens",), query_len=17, topk=4),
+    # the serving terms (docs/kernel-modes.md#serving-terms): gpt-oss's sinks with a window
+    Cover(modes=("sinks", "sliding_window"), window="inside", decode_query_len=1),
+    Cover(modes=("output_scale",), output_scale=0.01, padded=True),
+    Cover(modes=("kv_quant",), fp8_scales=(0.01, 10.0)),
+    Cover(modes=("alibi",), selection="all", topk=8),
+    # NaN canaries past each decode row's context in its last page (tails not a multiple of
+    # 16, one query token per request, rows within AITER's 2-D kernel): F24's slots
+    Cover(modes=("canary",), tail=7, topk=2, decode_query_len=1, kv_dtypes=("float16",)),
 )
 
 
@@ -103,9 +112,25 @@ SPLIT_K_3D = CoverClass("split-K, 3-D kernel",
                         lambda c: c.split_k_segments > 0 and _split_k_path(c) == "3D")
 SPLIT_K_2D = CoverClass("split-K, 2-D kernel",
                         lambda c: c.split_k_segments > 0 and _split_k_path(c) == "2D")
+SINKS = CoverClass("attention sinks", lambda c: c.sinks)
+SINKS_WINDOW = CoverClass("attention sinks with a sliding window (gpt-oss)",
+                          lambda c: c.sinks and c.sliding_window > 0)
+ALIBI = CoverClass("ALiBi", lambda c: c.alibi)
+FP8_OUTPUT = CoverClass("fp8 output (output_scale)", lambda c: c.output_scale > 0)
+TOKEN_HEAD_SCALES = CoverClass("per-token-head scale caches (FP8_PER_TOKEN_HEAD)",
+                               lambda c: c.kv_quant == "per_token_head")
+LONG_ROWS = CoverClass("a row attending more than 2048 tokens",
+                       lambda c: _longest_context(c) > 16 * BLOCK_SIZE)
+LAST_PAGE_CANARIES = CoverClass(
+    "NaN canaries past a decode row's context in its last page",
+    lambda c: c.canary and not c.query_lens and c.decode_query_len == 1
+    and any(s % 16 for s in c.seq_lens))
+SERVING_CLASSES: tuple[CoverClass, ...] = (SINKS, SINKS_WINDOW, ALIBI, FP8_OUTPUT,
+                                           TOKEN_HEAD_SCALES)
 MODE_CLASSES: tuple[CoverClass, ...] = (
     SOFTCAP_OVERFLOW, SOFTCAP_MODEL, WINDOW_CANARIES, CANARIES, FP8_QUERIES,
-    FP8_QUERIES_SATURATING, PREFILL_PAST_3D, PREFILL_PAST_BLOCK_Q, SPLIT_K_3D, SPLIT_K_2D)
+    FP8_QUERIES_SATURATING, PREFILL_PAST_3D, PREFILL_PAST_BLOCK_Q, SPLIT_K_3D, SPLIT_K_2D,
+    *SERVING_CLASSES, LAST_PAGE_CANARIES)
 # the kernel-mode classes the dense family's first six examples hold
 DENSE_MODE_CLASSES: tuple[CoverClass, ...] = (
     SOFTCAP_OVERFLOW, WINDOW_CANARIES, CANARIES, FP8_QUERIES, PREFILL_PAST_3D, SPLIT_K_3D)
@@ -152,6 +177,7 @@ DENSE_CLASSES: tuple[CoverClass, ...] = (
                lambda c: c.num_q_heads == 16 * c.num_kv_heads),
     CoverClass("dense: a request past 512 tokens at head size 80 or 96",
                lambda c: c.head_dim in (80, 96) and max(c.seq_lens) > 512),
+    LONG_ROWS,
     *DENSE_MODE_CLASSES,
 )
 

@@ -35,6 +35,10 @@ MAX_REQUEST_TOKENS = 384
 # a "long" stratum's first request: past 512 tokens, where AITER's unified_attention takes
 # its 3-D kernel (max_seqlen_k > 512) and vLLM's split-K meets longer rows
 LONG_REQUEST_TOKENS = (513, 640)
+# a "long_rows" stratum's first request: a row attending more than 16 x 128 tokens
+LONG_ROW_TOKENS = (2049, 8192)
+# the long-context stratum (long_context=True): one decode request of 64k-256k tokens
+LONG_CONTEXT_TOKENS = (1 << 16, 1 << 18)
 MAX_BATCH = 3
 MAX_PREFILL_QUERY = 17  # prefill-like requests: vLLM's 3-D bound (8) and BLOCK_Q (16) passed
 DENSE_SHARE = 5  # difftest run draws one dense example per five sparse ones
@@ -93,13 +97,34 @@ def huge_blocks(geometry: dict[str, int | str]) -> int:
     return INT32_ELEMENTS // per_block + 2
 
 
+def interpreted_cost(case: Case) -> int:
+    """The dense family's cost model: tiles of 16 tokens an interpreted ``unified_attention``
+    walks, over every KV head and block of 16 query rows (the interpreter's time grows with
+    it; the head size and dtypes move it by less than 2x). ``difftest run`` on a CPU draws
+    up to :data:`CPU_COST` of it a case."""
+    from difftest.case.selection import kernel_sequences
+
+    tiles = 0
+    for first, rows in kernel_sequences(case):
+        request = case.request_of_row(first)
+        tiles += cdiv(case.seq_lens[request], 16) * cdiv(rows, 16)
+    return tiles * case.num_kv_heads
+
+
+CPU_COST = 2048  # 16-token tiles x KV heads x query blocks: 8192 tokens on 4 KV heads
+
+
 @st.composite
 def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
-                kernel_modes: bool = True, huge: bool = False, cover: Cover = FREE) -> Case:
+                kernel_modes: bool = True, huge: bool = False, long_context: bool = False,
+                max_cost: int | None = None, cover: Cover = FREE) -> Case:
     """A dense case; ``pairs``: the ``(query_dtype, kv_dtype)`` drawn from (default: all);
     ``kernel_modes``: one case in :data:`~difftest.generation.strategies.KERNEL_MODES_ONE_IN`
     draws them; ``huge``: a cache past 2**31 elements whose last block is attended;
-    ``cover``: the decisions taken instead of drawn (a stratum of the covering schedule)."""
+    ``long_context``: one decode request of 64k-256k tokens (:data:`LONG_CONTEXT_TOKENS`);
+    ``max_cost``: the first request is shortened until :func:`interpreted_cost` is at most
+    this (the CPU's budget); ``cover``: the decisions taken instead of drawn (a stratum of
+    the covering schedule)."""
     allowed = list(pairs) if pairs is not None else list(dtype_pairs())
     if not allowed:
         raise ValueError("dense_cases: no (query_dtype, kv_dtype) pair is allowed")
@@ -115,11 +140,17 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
     block = int(geometry["block_size"])
     prefill = plan is not None and plan.prefill
     dql = 1 if prefill else draw(st.integers(1, 4))
+    if long_context or cover.long_rows:
+        dql = 1  # a long decode row (prefill rows of it would each be long)
     most_blocks = MAX_REQUEST_TOKENS // block
     requests = []
-    for r in range(draw(st.integers(1, MAX_BATCH))):
+    for r in range(1 if long_context else draw(st.integers(1, MAX_BATCH))):
         padded = r > 0 and draw(st.integers(0, 3)) == 3
-        if r == 0 and cover.long:
+        if r == 0 and (long_context or cover.long_rows):
+            span = LONG_CONTEXT_TOKENS if long_context else LONG_ROW_TOKENS
+            full, tail = divmod(draw(st.integers(*span)) - 1, block)
+            tail += 1
+        elif r == 0 and cover.long:
             full, tail = divmod(draw(st.integers(*LONG_REQUEST_TOKENS)) - 1, block)
             tail += 1
         else:
@@ -130,8 +161,14 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
         if prefill and r == 0:
             wanted = forced(cover.query_len, wanted)
         query_len = min(wanted, MAX_PREFILL_QUERY, full * block + tail) if prefill else dql
+        if r == 0 and (long_context or cover.long_rows):
+            query_len = 1
         seq_len = 0 if padded else max(full * block + tail, query_len)
         requests.append((seq_len, query_len))
+    if max_cost is not None and requests:  # the CPU's budget: shorten the first request
+        tiles = 16 * max(1, max_cost // int(geometry["num_kv_heads"]))
+        seq_len, query_len = requests[0]
+        requests[0] = (min(seq_len, max(tiles, query_len)), query_len)
     needed = [cdiv(s, block) for s, _ in requests]
     if huge:
         num_blocks = huge_blocks(geometry) + draw(st.integers(0, SPARE_BLOCKS))

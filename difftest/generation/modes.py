@@ -21,7 +21,10 @@ it), and otherwise biased toward its boundaries:
   (``BLOCK_Q`` with one query head), 127, 128 or any; prefill requests select their
   causal blocks in order, so they run as one causal sequence;
 * split-K: 16 segments (vLLM's) or another power of two, with ``seq_threshold_3d`` at the
-  case's query blocks (3-D), one below (2-D), vLLM's 128 or any.
+  case's query blocks (3-D), one below (2-D), vLLM's 128 or any;
+* the serving terms (:class:`ServingPlan`): sinks and ALiBi in a quarter of the plans, an
+  fp8 output (scales of :data:`OUTPUT_SCALES` or any) and per-token-head scales (fp8-KV
+  cases) in an eighth.
 
 The case strategy draws a :class:`ModePlan` first (:func:`mode_plans`) and applies it to the
 finished case; ``draw(with_kernel_modes(case))`` or ``strategy.flatmap(with_kernel_modes)``
@@ -108,6 +111,7 @@ class ModePlan:
     q_scale: float = 0.0
     prefill: bool = False
     split_k: tuple[int, int] | None = None
+    serving: ServingPlan | None = None
 
     def apply(self, case: Case) -> Case:
         """``case`` with these modes (the window and threshold resolved against it)."""
@@ -126,17 +130,53 @@ class ModePlan:
             kind = THRESHOLD_KINDS[n % len(THRESHOLD_KINDS)]
             threshold = {"at": blocks, "below": blocks - 1,
                          "vllm": VLLM_SEQ_THRESHOLD_3D}.get(kind, n // len(THRESHOLD_KINDS))
+        serving = self.serving.fields(case) if self.serving is not None else {}
         return case.replace(softcap=self.softcap, sliding_window=window, canary=self.canary,
                             q_scale=self.q_scale if case.is_fp8 else 0.0,
-                            split_k_segments=segments, seq_threshold_3d=max(threshold, 0))
+                            split_k_segments=segments, seq_threshold_3d=max(threshold, 0),
+                            **serving)
+
+
+# ----- serving terms (sinks, ALiBi, fp8 output, per-token-head scales) ---------------------
+# fp8 output scales: 1, 0.01, 1e-3 (outputs past 0.448 saturate at the fp8 maximum), 100
+# (outputs below 0.0156 are fp8 subnormals), or log-uniform 1e-3..1e2
+OUTPUT_SCALES = (1.0, 0.01, 1e-3, 100.0)
+
+
+def output_scales() -> st.SearchStrategy[float]:
+    """fp8 output scales: :data:`OUTPUT_SCALES` or log-uniform 1e-3..1e2."""
+    return st.one_of(st.sampled_from(OUTPUT_SCALES),
+                     st.integers(-30, 20).map(lambda e: round(10.0 ** (e / 10), 12)))
+
+
+@dataclass(frozen=True)
+class ServingPlan:
+    """The serving terms of one case (docs/kernel-modes.md#serving-terms): sinks, ALiBi, an
+    fp8 output's scale (0: off), per-token-head scales (applied to fp8-KV cases only)."""
+
+    sinks: bool = False
+    alibi: bool = False
+    output_scale: float = 0.0
+    token_head_scales: bool = False
+
+    def fields(self, case: Case) -> dict[str, object]:
+        """The case fields of these terms for ``case``."""
+        return {"sinks": self.sinks, "alibi": self.alibi, "output_scale": self.output_scale,
+                "kv_quant": ("per_token_head" if self.token_head_scales and case.is_fp8
+                             else "per_tensor")}
 
 
 MODE_BITS = 1 << 20  # the range of the one integer every on/off decision of a plan comes from
 # bit 0: modes at all (one case in two); then one bit per mode, two for canaries and prefill
 FLAG_SOFTCAP, FLAG_WINDOW, FLAG_CANARY, FLAG_Q_SCALE, FLAG_PREFILL, FLAG_SPLIT_K = (
     1, 2, 4, 16, 32, 128)
+# the serving terms, rarer (each kernel they refuse runs a fitted variant): sinks and ALiBi in
+# a quarter of the plans (two bits each), fp8 output and per-token-head scales in an eighth
+# (three bits each)
+FLAG_SINKS, FLAG_ALIBI, FLAG_OUTPUT_SCALE, FLAG_TOKEN_HEAD = 1 << 8, 1 << 10, 1 << 12, 1 << 15
 MODE_NAMES = ("softcap", "sliding_window", "canary", "q_scale", "query_lens",
-              "split_k_segments")  # the case fields a plan sets
+              "split_k_segments", "sinks", "alibi", "output_scale",
+              "kv_quant")  # the case fields a plan sets
 
 
 def mode_flags(kernel_modes: bool) -> st.SearchStrategy[int]:
@@ -173,7 +213,11 @@ def mode_plans(draw: st.DrawFn, flags: int | None = None, cover: Cover = FREE) -
         "canary": bool(on & (3 * FLAG_CANARY)) if window_on else bool(on & FLAG_CANARY),
         "q_scale": bool(on & FLAG_Q_SCALE),
         "query_lens": on & (3 * FLAG_PREFILL) == 3 * FLAG_PREFILL,
-        "split_k_segments": bool(on & FLAG_SPLIT_K)}
+        "split_k_segments": bool(on & FLAG_SPLIT_K),
+        "sinks": on & (3 * FLAG_SINKS) == 3 * FLAG_SINKS,
+        "alibi": on & (3 * FLAG_ALIBI) == 3 * FLAG_ALIBI,
+        "output_scale": on & (7 * FLAG_OUTPUT_SCALE) == 7 * FLAG_OUTPUT_SCALE,
+        "kv_quant": on & (7 * FLAG_TOKEN_HEAD) == 7 * FLAG_TOKEN_HEAD}
     if cover.modes is not None:
         chosen = {name: name in cover.modes for name in MODE_NAMES}
     softcap = draw(softcaps(cover.softcap)) if chosen["softcap"] else 0.0
@@ -194,7 +238,15 @@ def mode_plans(draw: st.DrawFn, flags: int | None = None, cover: Cover = FREE) -
         if cover.threshold in THRESHOLD_KINDS:
             n += THRESHOLD_KINDS.index(cover.threshold) - n % len(THRESHOLD_KINDS)
         split_k = (segments, n)
-    return ModePlan(softcap, window, chosen["canary"], q_scale, chosen["query_lens"], split_k)
+    serving = None
+    if chosen["sinks"] or chosen["alibi"] or chosen["output_scale"] or chosen["kv_quant"]:
+        output_scale = 0.0
+        if chosen["output_scale"]:
+            output_scale = cover.output_scale or draw(output_scales())
+        serving = ServingPlan(chosen["sinks"], chosen["alibi"], output_scale,
+                              chosen["kv_quant"])
+    return ModePlan(softcap, window, chosen["canary"], q_scale, chosen["query_lens"], split_k,
+                    serving)
 
 
 @st.composite

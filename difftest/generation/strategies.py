@@ -48,6 +48,7 @@ from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 PAGE_IDS_PAST_2_16 = {"LBHNC": 4097, "LHBNC": 8193}  # smallest cache with a page id > 65536
 SELECTION_MODES = ("indexer", "all", "tail-only", "empty-rows", "irregular")
 MAX_FULL_BLOCKS = 20  # up to 21 blocks per request: rows longer than top-k 16 x 128 tokens
+LONG_ROW_BLOCKS = 16  # a long-rows stratum's first request: at least 17 blocks at top-k 32
 PREFILL_FULL_BLOCKS = 1  # a request of several query tokens: up to 2 blocks (256 tokens)
 # ascending, so a shrink shortens the rows; 32 and 64 (rows past 2048 tokens) only where a
 # caller raises max_topk past the model's 16 (the default draws are unchanged)
@@ -141,7 +142,8 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     # attend up to the whole request, so a long one costs the interpreter minutes
     most = min(share - 1, MAX_FULL_BLOCKS,
                min(topk - 1, PREFILL_FULL_BLOCKS) if prefill and query_len > 1 else budget)
-    least = 16 if cover.long else 1 if cover.several_blocks else 0
+    least = (LONG_ROW_BLOCKS if cover.long_rows and topk > LONG_ROW_BLOCKS and not prefill
+             else 16 if cover.long else 1 if cover.several_blocks else 0)
     full = draw(st.integers(least if r == 0 and most >= least else 0, max(most, 0)))
     tail = draw(tails())
     if r == 0 and cover.tail is not None:
@@ -288,7 +290,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
     big = PAGE_IDS_PAST_2_16[layout]
     if cover.large_cache and big <= max_blocks:
         n = draw(st.integers(big, min(big + 64, max_blocks)))
-    elif cover.long and max_blocks >= 128:
+    elif (cover.long or cover.long_rows) and max_blocks >= 128:
         n = max(n, 128)
     prefill = plan is not None and plan.prefill
     dql = 1 if prefill else draw(st.integers(1, 4))
@@ -297,6 +299,9 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
     topk = forced(cover.topk, topk, lambda v: v in TOPKS and v <= max_topk)
     mode = draw(st.sampled_from(selection_modes))
     mode = forced(cover.selection, mode, lambda v: v in selection_modes)
+    if cover.long_rows and max_topk >= 2 * LONG_ROW_BLOCKS:  # rows past 16 x 128 tokens
+        topk = 2 * LONG_ROW_BLOCKS
+        mode = forced("all", mode, lambda v: v in selection_modes)
     # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended:
     # the last block goes where every row looks, logical block 0 of the first request (the
     # indexer's forced init block, full whenever the request is longer than one block); a

@@ -19,6 +19,7 @@ import torch
 
 from difftest.case.selection import SparseRow, attended_spans
 from difftest.case.spec import Case
+from difftest.inputs.serving_terms import token_head_scales
 from difftest.machine.devices import to_device
 from difftest.primitives import counter_rng
 from difftest.primitives.dtypes import finite_max, torch_dtype
@@ -60,6 +61,9 @@ class CaseData:
     ``slot_of`` maps a physical block id to its entry.
     ``valid_tokens[i]`` is how many leading tokens of that block its request wrote;
     ``block_ids`` and ``written`` are the same two as int64 tensors on the device.
+    ``k_token_scales``/``v_token_scales`` (``kv_quant = "per_token_head"`` only) are every
+    stored token's scale per KV head, ``[num_attended, block_size, num_kv_heads]`` float32:
+    the real value is ``stored * scale`` (:mod:`difftest.inputs.serving_terms`).
     """
 
     query: torch.Tensor
@@ -71,6 +75,8 @@ class CaseData:
     block_ids: torch.Tensor
     written: torch.Tensor
     segments: Segments
+    k_token_scales: torch.Tensor | None = None
+    v_token_scales: torch.Tensor | None = None
 
 
 def _draw(seed: int, stream: int, rows: torch.Tensor, row_length: int,
@@ -185,10 +191,16 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
     table_d = table_d.view(host.table_shape)
     per_block = case.block_size * case.num_kv_heads * case.head_dim
     shape = (n, case.block_size, case.num_kv_heads, case.head_dim)
-    k_stored = _draw_stored(case.seed, _KEY, block_ids, per_block, case.distribution,
-                            case.kv_dtype, case.k_scale).view(shape)
-    v_stored = _draw_stored(case.seed, _VALUE, block_ids, per_block, case.distribution,
-                            case.kv_dtype, case.v_scale).view(shape)
+    token_scales: dict[str, torch.Tensor] = {}
+    if case.kv_quant == "per_token_head":  # each token and KV head stored with its own scale
+        k_stored, v_stored = (
+            _draw_per_token_head(case, stream, side, block_ids, token_scales)
+            for stream, side in ((_KEY, "k"), (_VALUE, "v")))
+    else:
+        k_stored = _draw_stored(case.seed, _KEY, block_ids, per_block, case.distribution,
+                                case.kv_dtype, case.k_scale).view(shape)
+        v_stored = _draw_stored(case.seed, _VALUE, block_ids, per_block, case.distribution,
+                                case.kv_dtype, case.v_scale).view(shape)
     query = query.view(case.total_q, case.num_q_heads, case.head_dim)
     if case.q_scale:  # fp8 queries: the real query stored * q_scale, exact in float64
         query = quantize(query, case.kv_dtype, case.q_scale).to(torch.float64) * case.q_scale
@@ -202,4 +214,19 @@ def generate(case: Case, rows: tuple[SparseRow, ...],
         block_ids=block_ids,
         written=written_d,
         segments=Segments(table_d[0], table_d[1], table_d[2], ctx_d),
+        k_token_scales=token_scales.get("k"),
+        v_token_scales=token_scales.get("v"),
     )
+
+
+def _draw_per_token_head(case: Case, stream: int, side: str, block_ids: torch.Tensor,
+                         scales_out: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One side's stored fp8 values under per-token-head scales (``fp8(real / scale)``,
+    saturated); the scales go to ``scales_out[side]``."""
+    per_block = case.block_size * case.num_kv_heads * case.head_dim
+    shape = (-1, case.block_size, case.num_kv_heads, case.head_dim)
+    real = _draw(case.seed, stream, block_ids, per_block, case.distribution).view(shape)
+    scales = token_head_scales(case, side, block_ids)
+    scales_out[side] = scales
+    limit = finite_max(case.kv_dtype)
+    return (real / scales[..., None]).clamp(-limit, limit).to(torch_dtype(case.kv_dtype))

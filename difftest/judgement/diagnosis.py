@@ -64,8 +64,9 @@ from difftest.case.selection import window_start
 from difftest.case.spec import Case
 from difftest.contract.backend import EmptyRowOutput, Reference, RunInputs
 from difftest.contract.tolerance import Tolerance
+from difftest.inputs import serving_terms
 from difftest.inputs.kv_cache import build_cache
-from difftest.primitives.dtypes import FP8_DTYPES, torch_dtype
+from difftest.primitives.dtypes import FP8_DTYPES, finite_max, torch_dtype
 
 MAX_ROWS = 4
 MAX_SEGMENTS = 16
@@ -167,6 +168,7 @@ class _RowModel:
         self.attended = {s.physical_block for row in inputs.rows for s in row.segments}
         self.unattended = next((b for b in range(case.num_blocks - 1, -1, -1)
                                 if b not in self.attended), None)
+        self._scale_planes: dict[str, torch.Tensor] = {}
 
     def base(self, n: int) -> Read:
         """What row ``n`` should read."""
@@ -232,6 +234,10 @@ class _RowModel:
                             else (self.k_plane, self.v_plane))
         k = self._gather(k_plane, k_addr, read, nan_as_finite) * read.k_scale
         v = self._gather(v_plane, v_addr, read, nan_as_finite) * read.v_scale
+        if case.kv_quant == "per_token_head":  # the scale caches, read at the same slots
+            ps = case.page_size
+            k = k * self._token_scales("k", k_addr - read.k_offset * ps)[:, :, None]
+            v = v * self._token_scales("v", v_addr - read.v_offset * ps)[:, :, None]
         q = self.query[read.query_row].to(torch.float64)  # [H, D]
         if read.head_shift:
             q = q.roll(-read.head_shift, dims=0)
@@ -242,14 +248,14 @@ class _RowModel:
             scores = qh @ kh.T * read.softmax_scale  # [heads, L]
             if read.softcap:
                 scores = read.softcap * torch.tanh(scores / read.softcap)
-            if read.unshifted_softmax:  # the kernel's float32 exp: inf past 88.7, 0 below -104
-                weights = scores.float().exp().double()
-                probs = weights / weights.sum(dim=-1, keepdim=True)
-            else:
-                probs = torch.softmax(scores, dim=-1)
+            probs = self._weights(self._with_alibi(scores, heads), heads,
+                                  read.unshifted_softmax)
             out[heads], abs_out[heads] = probs @ vh, probs @ vh.abs()
             magnitude[heads] = (((qh * qh) @ (kh * kh).T).sqrt() * read.softmax_scale
                                 + read.softcap).amax(dim=-1)
+        if case.output_scale:  # an fp8 output saturates as the reference's does
+            limit = finite_max(case.output_dtype) * case.output_scale
+            out = out.clamp(-limit, limit)
         return Reference(out[None], abs_out[None], magnitude[None], ctx)
 
     def _head_groups(self, read: Read) -> dict[int, list[int]]:
@@ -261,6 +267,52 @@ class _RowModel:
         for h, kv in enumerate(kv_of):
             groups.setdefault(kv, []).append(h)
         return groups
+
+    # ----- serving terms (sinks, ALiBi, per-token-head scales; docs/kernel-modes.md) -----
+    def _with_alibi(self, scores: torch.Tensor, heads: list[int]) -> torch.Tensor:
+        """``[heads, L]`` logits with the case's ALiBi offsets (``t - (L - 1)`` for the
+        ``t``-th token read), as the reference adds them."""
+        slopes = serving_terms.alibi_slopes(self.case, self.device)
+        if slopes is None:
+            return scores
+        offset = torch.arange(scores.shape[-1], device=self.device) - (scores.shape[-1] - 1)
+        return scores + slopes.to(torch.float64)[heads, None] * offset
+
+    def _weights(self, scores: torch.Tensor, heads: list[int],
+                 unshifted: bool) -> torch.Tensor:
+        """The weights of ``[heads, L]`` logits, each head's sink in the denominator;
+        ``unshifted``: the kernel's float32 exp of the logits themselves (inf past 88.7, 0
+        below -104)."""
+        sinks = serving_terms.sinks(self.case, self.device)
+        sink = None if sinks is None else sinks.to(torch.float64)[heads, None]
+        if unshifted:
+            weights = scores.float().exp().double()
+            total = weights.sum(dim=-1, keepdim=True)
+            if sink is not None:
+                total = total + sink.float().exp().double()
+            return weights / total
+        if sink is None:
+            return torch.softmax(scores, dim=-1)
+        return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[:, :-1]
+
+    def _token_scales(self, side: str, address: torch.Tensor) -> torch.Tensor:
+        """``[L, nkv]``: the per-token scales at the scale cache's flat slots ``address``,
+        relative to the case's tensor scale (a hypothesis's scale multiplies it); NaN off
+        the cache."""
+        if side not in self._scale_planes:
+            data = self.inputs.data
+            scales = data.k_token_scales if side == "k" else data.v_token_scales
+            assert scales is not None, "per-token-head case data without its scales"
+            pages = self.case.num_blocks * self.case.block_page_stride
+            plane = serving_terms.scale_cache(self.case, scales, data.block_ids, pages)
+            base = self.case.k_scale if side == "k" else self.case.v_scale
+            nkv = self.case.num_kv_heads
+            self._scale_planes[side] = plane.reshape(-1, nkv).to(torch.float64) / base
+        plane = self._scale_planes[side]
+        inside = (address >= 0) & (address < plane.shape[0])
+        picked = plane.index_select(0, torch.where(inside, address, 0).to(self.device))
+        return torch.where(inside.to(self.device)[:, None], picked,
+                           torch.full_like(picked, float("nan")))
 
     def explains(self, read: Read, actual: torch.Tensor, truth: Reference) -> tuple[bool, bool]:
         """``(explains, finite)``: whether the row under ``read`` explains ``actual`` (the

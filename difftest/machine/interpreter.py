@@ -216,6 +216,9 @@ def _with_fp8_specials(convert: Callable[..., np.ndarray],
                 out[byte == infinities[0]] = exponent
                 out[byte == infinities[1]] = (1 << (width - 1)) | exponent
         elif output_dtype in specials and input_dtype not in specials:  # wider float -> fp8
+            rounded = _rounded_to_fp8(values, input_dtype, output_dtype, rounding_mode)
+            if rounded is not None:
+                out = rounded
             width, mantissa = input_dtype.primitive_bitwidth, input_dtype.fp_mantissa_width
             exponent = ((1 << (width - 1 - mantissa)) - 1) << mantissa
             bits = _bits(values, width)
@@ -304,3 +307,30 @@ def _shared_ranges(handle: Any, int32: Any) -> Callable[..., Any]:
 
     setattr(create_make_range, _REUSES, True)
     return create_make_range
+
+
+def _rounded_to_fp8(values: np.ndarray, input_dtype: Any, output_dtype: Any,
+                    rounding_mode: Any) -> np.ndarray | None:
+    """The fp8 bytes of float32/float16/bfloat16 ``values`` rounded to nearest even and
+    saturated at the format's finite maximum, as a GPU's conversion (``cvt.rn.satfinite``)
+    gives them; ``None`` for a rounding toward zero or a format torch lacks (the
+    interpreter's own conversion then stands). The interpreter's adds the rounding bit
+    without its carry into the exponent (e4m3fn: 31.67 -> 16) and truncates subnormals
+    (1e-3 -> 0): finding F38."""
+    import torch
+    from triton._C.libtriton import ir
+
+    if rounding_mode not in (None, ir.ROUNDING_MODE.RTNE):
+        return None
+    formats = {"fp8e4nv": torch.float8_e4m3fn, "fp8e4b8": torch.float8_e4m3fnuz,
+               "fp8e5": torch.float8_e5m2, "fp8e5b16": torch.float8_e5m2fnuz}
+    sources = {"fp32": (np.float32, torch.float32), "fp16": (np.float16, torch.float16),
+               "bf16": (np.int16, torch.bfloat16)}
+    target, source = formats.get(output_dtype.name), sources.get(input_dtype.name)
+    if target is None or source is None:
+        return None
+    wide = torch.from_numpy(np.ascontiguousarray(values).view(source[0]).copy())
+    wide = wide.view(source[1]).to(torch.float32)
+    limit = float(torch.finfo(target).max)
+    stored = torch.where(wide.isnan(), wide, wide.clamp(-limit, limit)).to(target)
+    return stored.view(torch.uint8).numpy().reshape(values.shape)
