@@ -5,6 +5,7 @@ diagnosis's recomputation, the cost model, and Triton's interpreter's fp8 roundi
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -241,7 +242,7 @@ def test_f38_interpreter_rounds_fp8_downcasts_without_the_carry() -> None:
     from difftest.machine.interpreter import decode_fp8_specials
 
     values = np.array([31.67, 1e-3, 0.3, 500.0, -3.0], dtype=np.float32)
-    own = getattr(interpreter._convert_float, "__wrapped__", interpreter._convert_float)
+    own = inspect.unwrap(interpreter._convert_float)  # Triton's own, under every wrapper
     rtne = interpreter._ir.ROUNDING_MODE.RTNE
     raw = own(values, tl.float32, tl.float8e4nv, rtne).view(np.uint8)
     wrong = torch.from_numpy(raw.copy()).view(torch.float8_e4m3fn).float().tolist()
