@@ -4,7 +4,9 @@
 #   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
-#        backend that cannot run on this GPU is --optional and says why in the report);
+#        backend that cannot run on this GPU is --optional and says why in the report; a
+#        known bug's NaN rows the bug's model does not predict show as "new failure beyond
+#        known bug"), and what the read-only check of inputs costs on the device;
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI).
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
@@ -32,6 +34,7 @@ if [ "$part" = run ] || [ "$part" = all ]; then
   step run "$py" -m difftest.cli run --device cuda --examples 100 \
     --backends "$real,$aiter" --optional aiter-unified,aiter-unified@shuffled \
     --report "$out/run.json"
+  step read_only "$py" -m benchmarks.read_only --device cuda --mib 2048
 fi
 if [ "$part" = fp ] || [ "$part" = all ]; then
   step fp "$py" -m benchmarks.false_positives --device cuda --examples 2000 \
