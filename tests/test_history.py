@@ -38,7 +38,7 @@ from difftest.run.runner import Status, run_case
 BUG = {b.name: b for b in KNOWN_BUGS}
 FIXED_BUGS = [b for b in KNOWN_BUGS if b.fixed]
 # a dense case of 48-token pages: the first stratum of the covering schedule
-PAGE_48 = generated_cases(1, 0, dense_cases())[0]
+PAGE_48 = generated_cases(1, 0, dense_cases)[0]
 MODES = Case(num_blocks=128, seq_lens=(128,), block_tables=((0,),), selections=((0,),),
              num_q_heads=1, softcap=0.01, sliding_window=1, canary=True, split_k_segments=2,
              seq_threshold_3d=1)
@@ -167,8 +167,8 @@ def test_the_default_strategies_reach_each_historical_bug_within_50_examples(
     buggy, fixed = _release(bug, bug.buggy), _release(bug, bug.fixed)
     others = [fixed] + ([select(discover(), [bug.control])[0]] if bug.control else [])
     capabilities = Capabilities.probe([buggy], device)
-    drawn = [*generated_cases(50, 0, capabilities.strategy()),
-             *generated_cases(dense_examples(50), 0, capabilities.dense_strategy())]
+    drawn = [*generated_cases(50, 0, capabilities.strategy),
+             *generated_cases(dense_examples(50), 0, capabilities.dense_strategy)]
     release = release_of(buggy)
     runnable = [c for c in drawn if bug.name in known_bugs(release, c)
                 and buggy.unsupported_reason(c, device) is None]

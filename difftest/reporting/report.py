@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 REPORT_SCHEMA = "difftest.report/2"
 READABLE_SCHEMAS = ("difftest.report/1", REPORT_SCHEMA)  # /1: results without known_bug
+# its JSON Schema (package data), which refers to the case's (difftest.case.spec)
+REPORT_JSON_SCHEMA = Path(__file__).with_name("report.schema.json")
 CASE_LISTS = ("cases", "earlier_crashes")
 
 
