@@ -540,7 +540,7 @@ def test_a_case_name_that_would_print_a_line_is_refused(workspace: Path) -> None
     for argv in (["promote", str(named), "x", "--corpus", str(workspace / "corpus")],
                  ["repro", str(named), "--artifacts", str(workspace / "art")]):
         refused(argv, workspace, f"{named}: name: = ",
-                "(allowed: printable text of at most 200 characters")
+                "(allowed: printable text of at most 1000 characters")
 
 
 def test_names_from_a_report_are_printed_escaped(workspace: Path, report_text: str,

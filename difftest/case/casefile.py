@@ -25,7 +25,7 @@ from difftest.primitives.jsonfile import (
 )
 
 _MAX_VALUE_TEXT = 60
-MAX_NAME = 200  # characters of a case's name
+MAX_NAME = 1000  # characters of a case's name (a fitted variant names its changes)
 
 
 class CaseFileError(ValueError):
