@@ -566,3 +566,21 @@ def test_an_unwritable_report_is_refused_before_the_first_case(tmp_path, capsys,
     assert code == 2
     assert f"difftest run: error: [Errno 2] cannot write {report} " in err
     assert not (tmp_path / "art" / "pending").exists()
+
+
+def test_a_run_under_nohup_keeps_ignoring_sighup() -> None:
+    """SIGHUP ends a run like SIGTERM, except where the process was started to outlive its
+    terminal (``nohup``: SIGHUP ignored), which it still does."""
+    from difftest.primitives import interrupts
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with interrupts.catching_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with interrupts.catching_signals():
+            assert callable(signal.getsignal(signal.SIGHUP))
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)

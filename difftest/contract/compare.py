@@ -134,10 +134,6 @@ class WrongElements:
     finite_wrong: torch.Tensor
     violations: torch.Tensor
 
-    def rows(self) -> torch.Tensor:
-        """``[total_q]`` bool: the rows with anything wrong."""
-        return self.wrong.any(dim=1) | self.violations
-
 
 _GRAPHS = GraphCache()  # the comparison's CUDA graphs, one per repeating signature
 

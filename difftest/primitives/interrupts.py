@@ -69,10 +69,12 @@ def _quiet_unraisable(previous: object) -> object:
 
 @contextmanager
 def catching_signals() -> Iterator[None]:
-    """Within, each of :data:`SIGNALS` raises :class:`Interrupted` (in the main thread); the
-    previous handlers come back on exit. Elsewhere than the main thread it changes nothing."""
-    try:
-        previous = {s: signal.signal(s, _raise) for s in SIGNALS}
+    """Within, each of :data:`SIGNALS` raises :class:`Interrupted` (in the main thread), but
+    a SIGHUP the process ignores (started under ``nohup``); the previous handlers come back on
+    exit. Elsewhere than the main thread it changes nothing."""
+    try:  # a SIGHUP that is ignored stays so (nohup: the run outlives its terminal)
+        previous = {s: signal.signal(s, _raise) for s in SIGNALS
+                    if not (s == signal.SIGHUP and signal.getsignal(s) is signal.SIG_IGN)}
     except ValueError:  # not the main thread: signals cannot be handled here
         yield
         return

@@ -268,11 +268,6 @@ def unavailable_lines(report: dict[str, Any]) -> list[str]:
     return [f"unavailable: {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
 
 
-def status_counts(report: dict[str, Any]) -> Counter[Status]:
-    """Results by status over the report's cases."""
-    return Counter(r.status for c in case_records(report) for r in c.results)
-
-
 def unavailable_asked(backends: dict[str, dict[str, Any]], asked: Sequence[str] | None,
                       optional: Sequence[str], cases: Sequence[CaseRecord] = (),
                       reference: str = "") -> list[str]:
