@@ -27,11 +27,12 @@ from difftest.machine import pinning
 from difftest.machine.devices import DEVICE_CHOICES
 from difftest.primitives.interrupts import Interrupted, catching_signals
 from difftest.primitives.jsonfile import append_json_line
+from difftest.primitives.text import printable
 from difftest.reporting.gate import DEFAULT_MAX_RATIO_GROWTH, DEFAULT_RATIO_FLOOR
 from difftest.results.artifacts import DEFAULT_ROOT, repro_command
 
 if TYPE_CHECKING:
-    from difftest.judgement.expectations import Expectation, Judgement
+    from difftest.judgement.expectations import Judgement
     from difftest.results.records import CaseRecord
     from difftest.run.runner import CaseResult
 
@@ -206,8 +207,9 @@ class Progress:
             by_status.setdefault(r.status.value, []).append(r.backend)
         statuses = "; ".join(f"{status} {', '.join(names)}" for status, names in by_status.items())
         case = result.case
-        name = f" {case.name}" if case.name else ""
-        line = f"{self.done}/{self.total} {rate:.2f} cases/s  {case.case_id}{name}: {statuses}"
+        name = f" {printable(case.name)}" if case.name else ""
+        line = (f"{self.done}/{self.total} {rate:.2f} cases/s  {case.case_id}{name}: "
+                f"{printable(statuses)}")
         if self.tty:
             sys.stderr.write("\r\033[K" + line[:shutil.get_terminal_size().columns - 1])
             if self.done == self.total or shown:
@@ -221,14 +223,13 @@ UNFIT = re.compile(r"could not fit for (?P<backend>\S+): (?P<count>\d+) example\
 FULL_FAILURES = 3  # failing cases whose message is printed in full as they happen (all jobs)
 
 
-def _new_failures(result: CaseResult, record: CaseRecord,
-                  expectations: Sequence[Expectation]) -> list[str]:
-    """The failure messages of ``result`` that no known bug (:mod:`difftest.judgement.expectations`)
-    explains, one per failing backend: known bugs are named in the closing summary."""
-    from difftest.judgement.expectations import judge
+def _new_failures(result: CaseResult, record: CaseRecord) -> list[str]:
+    """The failure messages of ``result``'s new failures (those no known bug explains wholly,
+    :attr:`~difftest.results.records.ResultRecord.is_new_failure`), one per backend: known
+    bugs are named in the closing summary."""
     from difftest.results.records import FAILING
 
-    new = {r.backend for _, r in judge([record], list(expectations)).new}
+    new = {r.backend for r in record.new_failures}
     failing = [r for r in record.results if r.status in FAILING]
     return [message for r, message in zip(failing, result.failure_messages(), strict=True)
             if r.backend in new]
@@ -271,9 +272,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
     from difftest.generation.capabilities import Capabilities
     from difftest.generation.corpus import load_corpus
-    from difftest.judgement.expectations import load as load_expectations
     from difftest.machine import devices
-    from difftest.reporting.report import unavailable_asked, write_report
+    from difftest.reporting.report import case_records, unavailable_asked, write_report
     from difftest.results.reach import LineTrace
     from difftest.run.plan import RunPlan, drawn_examples, execute, session_report
     from difftest.run.recorded import recorded_runs
@@ -315,7 +315,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                          if args.cases_from else ())
     progress = Progress(len(plan.runs))
     shown, limit = 0, max(1, FULL_FAILURES // job.count) if job else FULL_FAILURES
-    expectations = load_expectations()
     # a job of --jobs keeps each record on disk as it ends: one killed loses none
     finished = Path(f"{args.report}.records") if job and args.report else None
     interrupted: Interrupted | None = None
@@ -323,7 +322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for result in execute(session, plan, Path(args.claims) if job else None,
                               job.count if job else 1):
             record = session.records[-1]
-            new = _new_failures(result, record, expectations) if result.failed else []
+            new = _new_failures(result, record) if result.failed else []
             progress.step(result, bool(new) and shown < limit)
             if finished is not None:
                 append_json_line(finished, record.to_dict())
@@ -347,7 +346,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.report:
         write_report(args.report, document)
     if job is None:
-        missing = unavailable_asked(document["backends"], args.backends, args.optional)
+        missing = unavailable_asked(document["backends"], args.backends, args.optional,
+                                    case_records(document), args.reference)
         _write_junit(args.junit, document, missing)
     if interrupted is not None:
         if job is None:
@@ -433,9 +433,7 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
         print(describe(config["kernel_compiles"], kernel_cache_dir()))
     print("\n".join(unavailable_lines(report)))
     judgement = judge(case_records(report), load_expectations())
-    known = frozenset((case.case_id, result.backend) for pairs in judgement.known.values()
-                      for case, result in pairs)
-    print(summary(report, unavailable=False, coverage=False, max_failures=10, known=known))
+    print(summary(report, unavailable=False, coverage=False, max_failures=10))
     for line in judgement.lines():
         print(line)
     for line in missing:
@@ -448,7 +446,7 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
 def _run_jobs(args: argparse.Namespace) -> int:
     """``difftest run --jobs N``: N processes, one report (:mod:`difftest.run.jobs`)."""
     from difftest.machine.fingerprint import fingerprint
-    from difftest.reporting.report import Report, unavailable_asked, write_report
+    from difftest.reporting.report import Report, case_records, unavailable_asked, write_report
     from difftest.run.jobs import job_environments, run_jobs
     from difftest.run.replay import report_previous_crashes
 
@@ -487,7 +485,8 @@ def _run_jobs(args: argparse.Namespace) -> int:
     if earlier:
         report["earlier_crashes"] = report.get("earlier_crashes", []) + [
             c.to_dict() for c in earlier]
-    missing = unavailable_asked(report["backends"], args.backends, args.optional)
+    missing = unavailable_asked(report["backends"], args.backends, args.optional,
+                                case_records(report), args.reference)
     if outcome.interrupted is not None:
         report["config"]["interrupted"] = {"signal": outcome.interrupted.name,
                                            "in_flight": outcome.in_flight}
@@ -506,8 +505,10 @@ def _run_jobs(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    """Print a report's parameter audit and feature coverage."""
+    """Print a report's parameter audit, feature coverage and known bugs."""
     from difftest.judgement.audit import audit_lines
+    from difftest.judgement.expectations import judge
+    from difftest.judgement.expectations import load as load_expectations
     from difftest.reporting.report import ReportError, case_records, read_report
     from difftest.results.features import coverage_table
 
@@ -520,7 +521,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
               if b != report["config"].get("reference")]
     print("\n".join(f"generation: {line}" for line in report["config"].get("generation", [])))
     print("\n".join(audit_lines(report["cases"], tested)))
-    print(coverage_table(case_records(report)))
+    records = case_records(report)
+    print(coverage_table(records))
+    for line in judge(records, load_expectations()).lines():  # the known bugs, as run says
+        print(line)
     return 0
 
 
@@ -529,7 +533,7 @@ def cmd_repro(args: argparse.Namespace) -> int:
     from difftest.run.replay import replay
 
     return replay(Path(args.path), args.backends, args.plugin, _device(args.device),
-                  args.reference, args.artifacts, args.report)
+                  args.reference, args.artifacts, args.report, args.trust_recorded_paths)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -569,10 +573,21 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    """Join shard reports into one; refuse conflicting ones."""
-    from difftest.reporting.report import ReportError, read_report, summary, write_report
+    """Join shard reports into one (refusing conflicting ones) and print its verdict as
+    ``run`` would; exit 0 once the merged report is written."""
+    from difftest.judgement.expectations import judge
+    from difftest.judgement.expectations import load as load_expectations
+    from difftest.reporting.report import (
+        ReportError,
+        case_records,
+        read_report,
+        summary,
+        verdict_line,
+        write_report,
+    )
     from difftest.run.shard import ShardError, merge_reports
 
+    expectations = load_expectations()  # a bad file is refused before anything is written
     try:
         reports = [(str(p), read_report(p)) for p in args.reports]
         merged, warnings = merge_reports(reports, force=args.force)
@@ -585,27 +600,37 @@ def cmd_merge(args: argparse.Namespace) -> int:
     _write_junit(args.junit, merged)
     print(summary(merged))
     print(f"merged {len(reports)} reports ({len(merged['cases'])} cases) into {args.output}")
+    judgement = judge(case_records(merged), expectations)
+    for line in judgement.lines():
+        print(line)
+    print(verdict_line(merged, args.output, judgement))
     return 0
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
     """Compare a candidate report with a baseline; exit 1 on any regression."""
-    from difftest.reporting.gate import environment_changes, format_result, gate, reach_lines
+    from difftest.reporting.gate import (
+        GateError,
+        environment_changes,
+        format_result,
+        gate,
+        reach_lines,
+    )
     from difftest.reporting.report import ReportError, read_report
 
     try:
         baseline, candidate = read_report(args.baseline), read_report(args.candidate)
-    except ReportError as exc:
+        result = gate(baseline, candidate, args.max_ratio_growth, args.ratio_floor)
+    except (ReportError, GateError) as exc:
         print(f"difftest gate: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     changes = environment_changes(baseline, candidate)
     print(f"baseline {args.baseline} vs candidate {args.candidate}")
     print("environment changes:" if changes else "environment: identical versions")
     for line in changes:
-        print(line)
+        print(printable(line))
     for line in reach_lines(baseline, candidate):  # before the verdict, which ends it
-        print(line)
-    result = gate(baseline, candidate, args.max_ratio_growth, args.ratio_floor)
+        print(printable(line))
     print(format_result(result, show_all=args.all))
     return 1 if result.failed else 0
 
@@ -682,6 +707,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backends", type=_backend_names, metavar="NAMES",
                    help="comma-separated backends (default: those of the recording)")
     p.add_argument("--report", type=_output_file, help="write the replay as a JSON report here")
+    p.add_argument("--trust-recorded-paths", action="store_true",
+                   help="also replay recorded backends whose options name a path "
+                   "(vllm=DIR, aiter=DIR), which loads that directory's code: only for a "
+                   "failure directory you trust")
     p.set_defaults(func=cmd_repro)
 
     p = command("export", "write a failure's kernel call as a script that runs without "
@@ -749,6 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from difftest.case.casefile import CaseFileError
     from difftest.case.spec import CaseError
     from difftest.contract.registry import RegistryError
+    from difftest.judgement.expectations import ExpectationError
     from difftest.machine.gpus import VisibilityError
     from difftest.primitives.jsonfile import JSONFileError
     from difftest.results.records import RecordError
@@ -762,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"difftest {args.command}: {exc}", file=sys.stderr)
         return exc.exit_status
     except (RegistryError, CaseError, CaseFileError, VisibilityError, UsageError, OSError,
-            json.JSONDecodeError, JSONFileError, RecordError) as exc:
+            json.JSONDecodeError, JSONFileError, RecordError, ExpectationError) as exc:
         print(f"difftest {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
 

@@ -4,8 +4,10 @@
 #   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
-#        backend that cannot run on this GPU is --optional and says why in the report), and
-#        the worked plug-in of docs/plugins.md;
+#        backend that cannot run on this GPU is --optional and says why in the report; a
+#        known bug's NaN rows the bug's model does not predict show as "new failure beyond
+#        known bug"), the worked plug-in of docs/plugins.md, and what the read-only check
+#        of inputs costs on the device;
 # gluon: ROCm with AITER: the real pa_decode_gluon (aiter-gluon, vllm-aiter) beside the
 #        compiled-only backends on the same cases, so the numerics the CPU judged from the
 #        emulator are the kernel's; finding F31 natively (vllm-aiter on the corpus's report
@@ -60,6 +62,7 @@ if [ "$part" = run ] || [ "$part" = all ]; then
     --report "$out/run.json"
   step plugin "$py" -m difftest.cli run --device cuda --examples 100 \
     --plugin examples/plugins/sdpa_backend.py --backends torch-sdpa --report "$out/plugin.json"
+  step read_only "$py" -m benchmarks.read_only --device cuda --mib 2048
 fi
 if [ "$part" = fp ] || [ "$part" = all ]; then
   step fp "$py" -m benchmarks.false_positives --device cuda --examples 2000 \

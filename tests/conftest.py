@@ -68,7 +68,7 @@ def schema_kind(path: Path) -> str | None:
             head = fh.read(4096)
     except (OSError, UnicodeDecodeError):
         return None
-    readers = (("report", '"difftest.report/1"', read_report),
+    readers = (("report", '"difftest.report/', read_report),
                ("record", '"case_id"', read_results), ("case", '"difftest.case/1"', read_case))
     for kind, mark, reader in readers:
         if mark in head:

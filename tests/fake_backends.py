@@ -140,3 +140,82 @@ class NotATensor(Rounded):
 # backend beside one fault at each stage.
 FAULTY_BACKENDS = [Rounded, ProbeRaises, VersionsRaise, SupportRaises, CacheFails, RunRaises,
                    PrecisionRaises, NotATensor]
+
+
+class WritesCache(Rounded):
+    """Returns the right answer, then zeroes the plain cache it was given: the backends after
+    it would read a wrong cache."""
+
+    name = "writes-cache"
+    in_page_orders = ("plain",)
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The rounded reference; then the cache's bytes zeroed."""
+        out = super().run(inputs)
+        inputs.cache("plain").raw.zero_()
+        return out
+
+
+class WritesQuery(Rounded):
+    """Returns the right answer, then scales the query it was given."""
+
+    name = "writes-query"
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The rounded reference; then the query halved."""
+        out = super().run(inputs)
+        inputs.data.query.mul_(0.5)
+        return out
+
+
+class ReadsCache(Rounded):
+    """The attention of the K and V it reads from the plain cache: wrong when an earlier
+    backend wrote into that cache."""
+
+    name = "reads-cache"
+    in_page_orders = ("plain",)
+
+    def run(self, inputs: RunInputs) -> torch.Tensor:
+        """The rounded reference, NaN where the cache's attended bytes were zeroed."""
+        out = super().run(inputs)
+        case = inputs.case
+        sides = case.layout.sides(inputs.cache("plain").raw, case)  # [n, 2, B, nkv, D]
+        attended = sides[inputs.data.block_ids]
+        return out if bool((attended != 0).any()) else torch.full_like(out, float("nan"))
+
+
+# --plugin fake_backends.py:WRITING_BACKENDS: two backends that write into their inputs, with
+# a reader after each
+WRITING_BACKENDS = [WritesCache, WritesQuery, ReadsCache, Rounded]
+
+
+class BadVersions(Rounded):
+    """``versions()`` returns what no report can hold."""
+
+    name = "bad-versions"
+
+    def versions(self) -> dict[str, str]:
+        """A set where a version string belongs."""
+        return {"torch": {1, 2}}  # type: ignore[dict-item]
+
+
+class BadName(Rounded):
+    """A name that would print a line of its own."""
+
+    name = "ok\nGATE PASSED: no regression"
+
+
+VERSION_BACKENDS, NAME_BACKENDS = [BadVersions], [BadName]
+
+
+class SupportRefuses(Rounded):
+    """Available, but refuses every case."""
+
+    name = "support-refuses"
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """Every case: refused."""
+        return "this backend runs no case"
+
+
+REFUSING_BACKENDS = [SupportRefuses]

@@ -33,6 +33,7 @@ from difftest.backends.pa_decode_gluon_contract import KernelLaunch, Operand
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_aiter import VllmAiter
 from difftest.backends.vllm_imports import kernel_availability
+from difftest.contract.backend import RunInputs
 from difftest.frontends.pytest_run import chosen_profile
 from difftest.generation.corpus import load_corpus
 from difftest.judgement import expectations
@@ -204,9 +205,9 @@ def test_f31_vllm_with_a_float16_query_and_an_fp8_cache(trees) -> None:
         "pa_decode_gluon.py:1578:13: error: 'amdg.buffer_store' op failed to verify that "
         f"{F31_DIAGNOSTIC}")
     assert emulated.status is Status.AGREE
-    known = expectations.load()
-    record = result.record()
-    assert expectations.known_bug(known, record.case, record.results[0]) == "F31"
+    verdict = expectations.explain(expectations.load(), RunInputs(case, torch.device("cpu")),
+                                   result.record().results[0], None)
+    assert verdict is not None and verdict.names == ["F31"] and not verdict.new_failure
     assert run(REPORTED, [compiled]).results[0].status is Status.AGREE
 
 
@@ -232,7 +233,10 @@ def test_f32_is_a_known_bug_of_triton_only_installs(trees) -> None:
     record = result.record()
     assert record.results[0].status is Status.ERROR
     assert record.results[0].versions["amd-aiter-triton-only"] == "0.1.20.post1"
-    assert expectations.known_bug(expectations.load(), record.case, record.results[0]) == "F32"
+    verdict = expectations.explain(expectations.load(),
+                                   RunInputs(REPORTED, torch.device("cpu")), record.results[0],
+                                   None)
+    assert verdict is not None and verdict.names == ["F32"] and not verdict.new_failure
 
 
 def seed_tree(tree: AiterSource, destination: Path) -> Path:

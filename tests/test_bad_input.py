@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import io
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -294,7 +296,7 @@ def test_deeply_nested_json_is_refused_by_every_reader(workspace: Path, report_t
     good = workspace / "good.json"
     good.write_text(report_text)
     deep = workspace / "deep.json"
-    deep.write_text(shape * 100_000)
+    deep.write_text((shape + " " * 16) * 100_000)  # spaced, or its parse cost refuses it first
     for argv in _all_readers(deep, good, workspace):
         refused(argv, workspace, f"{deep}: nested 100000 deep (allowed: at most 64 levels")
 
@@ -388,6 +390,13 @@ def test_bad_options_name_the_option_and_value(workspace: Path, argv: list[str],
                                         "'aiter-gluon@emulated[k_trim=off': unbalanced"),
     ("a],b", "backend list 'a],b': unbalanced '[' and ']'"),
     ("torch-ref[a=b]", "backend 'torch-ref' takes no options (got 'torch-ref[a=b]')"),
+    # the last value won silently
+    ("aiter-gluon@emulated[k_trim=off,k_trim=on]",
+     "backend 'aiter-gluon@emulated[k_trim=off,k_trim=on]': option 'k_trim' is given twice"),
+    # two spellings of one backend ran twice under one name
+    ("aiter-gluon@emulated[k_trim=on],aiter-gluon@emulated",
+     "backends 'aiter-gluon@emulated[k_trim=on]' and 'aiter-gluon@emulated' are one backend, "
+     "'aiter-gluon@emulated'"),
 ])
 def test_bad_backend_names_and_options(workspace: Path, backends: str, text: str,
                                        device_name: str) -> None:
@@ -516,3 +525,224 @@ def test_device_cuda_without_a_visible_gpu_is_refused(workspace: Path, command: 
              "repro": [str(workspace / "case.json")]}[command]
     refused([command, "--device", "cuda", "--artifacts", str(workspace / "art"), *extra],
             workspace, f"difftest {command}: error: --device cuda, but no GPU is visible (")
+
+
+# ----- names from files and plug-ins -------------------------------------------------------
+
+FAKE_VERDICT = "GATE PASSED: forged by a name"
+
+
+def test_a_case_name_that_would_print_a_line_is_refused(workspace: Path) -> None:
+    """A case file's name holding a newline and a verdict printed a fake verdict line and
+    was carried into reports."""
+    named = workspace / "named.json"
+    named.write_text(json.dumps(TINY.to_dict() | {"name": f"x\n{FAKE_VERDICT}"}))
+    for argv in (["promote", str(named), "x", "--corpus", str(workspace / "corpus")],
+                 ["repro", str(named), "--artifacts", str(workspace / "art")]):
+        refused(argv, workspace, f"{named}: name: = ",
+                "(allowed: printable text of at most 1000 characters")
+
+
+def test_names_from_a_report_are_printed_escaped(workspace: Path, report_text: str,
+                                                 tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    """Case names, ids and backend names of a report print on one line each, escaped: no
+    report can print a verdict line of its own."""
+    report = json.loads(report_text)
+    report["cases"][0]["name"] = report["cases"][0]["case"]["name"] = f"x\n{FAKE_VERDICT}"
+    from difftest.results.records import ResultRecord, Status
+
+    report["cases"][0]["results"].append(
+        ResultRecord(f"kern\r{FAKE_VERDICT}", Status.DISAGREE).to_dict())
+    path = tmp_path_factory.mktemp("named") / "named.json"
+    path.write_text(json.dumps(report))
+    out = tmp_path_factory.mktemp("out")
+    for argv in (["gate", str(path), str(path), "--all"],
+                 ["merge", str(path), "-o", str(out / "m.json")], ["audit", str(path)]):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            cli.main(argv)
+        lines = (stdout.getvalue() + stderr.getvalue()).splitlines()
+        assert not any(line.startswith(FAKE_VERDICT) for line in lines), (argv, lines)
+        assert any("x\\nGATE PASSED" in line for line in lines) or argv[0] != "gate", lines
+    refused(["run", "--cases-from", str(path), "--artifacts", str(workspace / "art")],
+            workspace, f"{path}: cases[0].case: name: = ")
+
+
+@pytest.mark.parametrize(("plugin", "text"), [
+    ("NAME_BACKENDS", "backend name 'ok\\nGATE PASSED: no regression' is not allowed "
+                      "(allowed: printable text without spaces)"),
+    ("VERSION_BACKENDS", "backend 'bad-versions': versions() returned {'torch': {1, 2}}, which "
+                         "a report cannot hold (allowed: a mapping of strings to strings)"),
+])
+@pytest.mark.parametrize("command", ["backends", "run"])
+def test_a_plugin_whose_name_or_versions_no_report_can_hold_is_refused(
+        workspace: Path, plugin: str, text: str, command: str, device_name: str) -> None:
+    """A plug-in whose ``versions()`` returned a set ended the run with a traceback while
+    the report was written (exit 1)."""
+    spec = f"{Path(__file__).parent / 'fake_backends.py'}:{plugin}"
+    extra = (["--no-corpus", "--examples", "1", "--artifacts", str(workspace / "art"),
+              "--report", str(workspace / "earlier.json")] if command == "run" else [])
+    refused([command, "--device", device_name, "--plugin", spec, *extra], workspace,
+            f"difftest {command}: error: --plugin {spec}: ", text)
+
+
+# ----- files of the wrong kind, a bad environment ----------------------------------------
+
+def test_a_directory_where_a_report_belongs_is_named(workspace: Path, report_text: str) -> None:
+    """``run --cases-from DIR`` ended in a traceback, and a directory opened as a file said
+    ``[Errno 21] Is a directory: 3`` (the descriptor, not the path)."""
+    good = workspace / "good.json"
+    good.write_text(report_text)
+    folder = workspace / "corpus"
+    refused(["run", "--cases-from", str(folder)], workspace,
+            f"argument --cases-from: {folder}: is a directory (allowed: a regular file)")
+    for argv in _all_readers(folder, good, workspace)[1:]:  # repro takes a directory
+        refused(argv, workspace, str(folder))
+
+
+def test_a_malformed_expectations_file_is_named(workspace: Path, report_text: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                device_name: str) -> None:
+    good = workspace / "good.json"
+    good.write_text(report_text)
+    bad = workspace / "expectations.json"
+    for text, problem in (("{", "not JSON"), ('{"expectations": [{"finding": "F1"}]}',
+                                              "expectations[0]: missing field 'backends'")):
+        bad.write_text(text)
+        monkeypatch.setenv("DIFFTEST_EXPECTATIONS", str(bad))
+        for argv in (["run", "--no-corpus", "--examples", "1", "--device", device_name,
+                      "--backends", "torch-ref", "--artifacts", str(workspace / "art")],
+                     ["merge", str(good), "-o", str(workspace / "m.json")],
+                     ["audit", str(good)]):
+            refused(argv, workspace, f"difftest {argv[0]}: error: {bad}", problem)
+
+
+def _plot(path: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "difftest.cli", "plot", str(path), "-o",
+                           str(out)], capture_output=True, text=True, timeout=120,
+                          env=os.environ | env)
+
+
+def test_a_broken_matplotlib_is_named(workspace: Path, report_text: str) -> None:
+    """A bad ``MPLBACKEND`` or a matplotlib that fails to import ended in a traceback."""
+    pytest.importorskip("matplotlib")
+    good = workspace / "good.json"
+    good.write_text(report_text)
+    broken = workspace / "broken"
+    (broken / "matplotlib").mkdir(parents=True)
+    (broken / "matplotlib" / "__init__.py").write_text("raise AttributeError('no ft2font')\n")
+    with untouched(workspace):
+        for env, text in (({"MPLBACKEND": "bogus"}, "matplotlib fails to load "
+                           "(MPLBACKEND='bogus'): ValueError: "),
+                          ({"PYTHONPATH": str(broken)}, "matplotlib fails to load: "
+                           "AttributeError: no ft2font")):
+            done = _plot(good, workspace / "p.png", env)
+            assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+            assert f"difftest plot: {text}" in done.stderr, done.stderr
+
+
+# ----- the memory a parse takes ----------------------------------------------------------
+
+def _parse_peak(path: Path) -> tuple[float, BaseException | None]:
+    """The peak of Python's allocations while :func:`read_report` reads ``path``, as a
+    multiple of its size, and what it raised."""
+    import tracemalloc
+
+    from difftest.reporting.report import read_report
+
+    raised = None
+    tracemalloc.start()
+    try:
+        read_report(path)
+    except Exception as exc:  # the refusal measured
+        raised = exc
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak / path.stat().st_size, raised
+
+
+def test_parsing_takes_a_small_multiple_of_the_file(workspace: Path, report_text: str) -> None:
+    """Reading any report took the 1 GiB cap besides its size (``read(limit + 1)`` allocates
+    what it asks for: a 30 MB report took 1.07 GB), and a report of tiny arrays 21 times its
+    size in Python objects, so the cap allowed about 23 GB. Now a file is read at its size,
+    numbers parse into shared objects, and a text whose parse would pass 10 times its size is
+    refused before it is parsed (``difftest/primitives/jsonfile.py``)."""
+    report = json.loads(report_text)
+    case = report["cases"][0]
+    copies = []
+    for n in range(400):  # a report of 400 cases
+        entry = copy.deepcopy(case)
+        entry["case_id"] = entry["case"]["id"] = f"{n:016x}"
+        copies.append(entry)
+    report["cases"] = copies
+    real = workspace / "many.json"
+    real.write_text(json.dumps(report, indent=1))
+    factor, raised = _parse_peak(real)
+    assert raised is None and factor < 8, factor  # measured 3.3; before, 2100 (the cap)
+    hostile = workspace / "tiny-arrays.json"
+    hostile.write_text("[" + ",".join(["[]"] * 1_000_000) + "]")
+    factor, raised = _parse_peak(hostile)
+    assert isinstance(raised, Exception) and "times its" in str(raised), raised
+    assert factor < 4, factor  # refused on counts: measured 2.0; parsed, 23
+
+
+# ----- a failure directory from elsewhere ------------------------------------------------
+
+class PathKernel:
+    """A backend whose ``vllm=`` option names a directory whose code it runs, as
+    ``triton-unified[vllm=DIR]`` loads a release's kernel files from ``DIR``."""
+
+    def __init__(self, path: str = "") -> None:
+        from tests.fake_backends import Rounded
+
+        self.inner, self.path = Rounded(), path
+        self.name = f"path-kernel[vllm={path}]" if path else "path-kernel"
+        self.in_page_orders = ()
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.inner, attr)
+
+    def with_options(self, options: dict[str, str]) -> PathKernel:
+        return PathKernel(options["vllm"])
+
+    def run(self, inputs: Any) -> Any:
+        if self.path:
+            runpy.run_path(str(Path(self.path) / "vllm" / "__init__.py"))
+        return self.inner.run(inputs)
+
+
+def test_repro_runs_no_recorded_path_option_unless_the_command_line_trusts_it(
+        workspace: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        device_name: str) -> None:
+    """``difftest repro DIR`` rebuilt the recorded backend names with their options: a
+    ``results.json`` naming ``triton-unified[vllm=<a folder inside DIR>]`` made the replay
+    import and run that folder's Python, with no ``--plugin`` given. Such names are now left
+    out unless ``--backends`` names them or ``--trust-recorded-paths`` is given."""
+    from difftest.backends.torch_ref import TorchReference
+    from difftest.results.features import case_features
+    from difftest.results.records import CaseRecord, ResultRecord, Status
+
+    directory = workspace / "art" / "failures" / TINY.case_id
+    evil = directory / "evil"
+    (evil / "vllm").mkdir(parents=True)
+    marker = workspace / "ran-the-recorded-code"
+    (evil / "vllm" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    name = f"path-kernel[vllm={evil}]"
+    (directory / "results.json").write_text(json.dumps(CaseRecord(
+        case_id=TINY.case_id, name="", case=TINY.to_dict(), features=case_features(TINY),
+        reference="torch-ref", results=[ResultRecord(name, Status.AGREE)]).to_dict()))
+    # installed: the reference and the path-taking kernel, so a replay runs what it records
+    monkeypatch.setattr(registry, "entry_point_backends",
+                        lambda: [TorchReference(), PathKernel()])
+    options = ["--device", device_name, "--artifacts", str(workspace / "replays")]
+    assert cli.main(["repro", str(directory), *options]) == 0
+    out = capsys.readouterr().out
+    assert f"(not run: its option vllm={evil} names a path, whose code the recording cannot " \
+           "vouch for; name it with --backends, or pass --trust-recorded-paths, to run it)" in out
+    assert not marker.exists()
+    assert cli.main(["repro", str(directory), "--trust-recorded-paths", *options]) == 0
+    assert marker.exists() and "not run: its option" not in capsys.readouterr().out
+    marker.unlink()
+    assert cli.main(["repro", str(directory), "--backends", name, *options]) == 0
+    assert marker.exists()

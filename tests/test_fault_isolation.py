@@ -138,3 +138,28 @@ def test_under_pytest_every_fault_is_reported_and_the_report_written(
     assert "run-raises error on case" in done.stdout
     written = json.loads((project / "report.json").read_text())
     _check(_statuses(written), written["backends"])
+
+
+def test_a_backend_that_writes_into_its_inputs_is_an_error_and_the_rest_read_intact_ones(
+        tmp_path: Path, device_name: str) -> None:
+    """A backend that returned the right answer and then zeroed the cache it was given
+    agreed, and the backend after it disagreed; one that scaled the query, the same. Each
+    writer now gets ``error: wrote into its inputs`` naming what changed, and the backends
+    after it run on inputs built afresh (``reads-cache`` returns NaN on a zeroed cache)."""
+    from difftest.case.spec import Case
+    from difftest.run.session import Session
+
+    case = Case(num_blocks=2, seq_lens=(130,), block_tables=((0, 1),), selections=((0, 1),),
+                seed=4)
+    session = Session.create(["writes-cache", "reads-cache", "writes-query", "rounded"],
+                             [f"{FAKES}:WRITING_BACKENDS"], device_name, str(tmp_path / "art"))
+    session.run(case)
+    results = {r.backend: r for r in session.records[-1].results}
+    assert {name: r.status.value for name, r in results.items()} == {
+        "writes-cache": "error", "reads-cache": "agree", "writes-query": "error",
+        "rounded": "agree"}
+    assert results["writes-cache"].detail.startswith(
+        "wrote into its inputs: the plain cache changed while it ran")
+    assert results["writes-query"].detail.startswith(
+        "wrote into its inputs: the query changed while it ran")
+    assert results["writes-cache"].known_bug is None

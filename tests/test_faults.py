@@ -52,6 +52,43 @@ def test_an_asked_for_backend_that_cannot_run_fails_the_run(tmp_path, capsys,
     assert "1 asked-for backend(s) could not run" in out[-1]
 
 
+def test_an_asked_for_backend_that_ran_no_case_fails_the_run(tmp_path, capsys,
+                                                              device_name) -> None:
+    """``--backends aiter-gluon@emulated --cases-from R`` where it supported no case printed
+    ``PASSED: 3 cases, 0 agreements`` (exit 0): a run that tested nothing it was asked to is
+    no pass."""
+    code = cli.main(_run(tmp_path, device_name, "--backends", "rounded,support-refuses",
+                         "--plugin", f"{FAKES}:REFUSING_BACKENDS"))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 1
+    assert out[-2] == ("FAILED: backend support-refuses was asked for and ran no case: all 1 "
+                       "of its cases were unsupported (mark it --optional support-refuses to "
+                       "run without it)")
+    assert out[-1].startswith("FAILED: 0 new failure(s) in 1 cases; 1 asked-for backend(s) "
+                              "could not run or ran no case;")
+    assert cli.main(_run(tmp_path, device_name, "--backends", "rounded,support-refuses",
+                         "--plugin", f"{FAKES}:REFUSING_BACKENDS", "--optional",
+                         "support-refuses")) == 0
+
+
+def test_a_full_disk_while_noting_the_running_backend_is_no_kernels_error(
+        tmp_path, capsys, monkeypatch, device_name) -> None:
+    """The note naming the running backend was written inside the guard around the kernel: a
+    full disk there became the backend's ``error`` (FAILED, a new failure per backend); now
+    the run stops with exit 2 naming the file, and leaves no pending case to blame anyone."""
+    def full(self: ArtifactStore, case: Case, backend: str) -> None:
+        raise OSError(28, f"cannot write {self._running_path(case)}: No space left on device")
+
+    monkeypatch.setattr(ArtifactStore, "running", full)
+    code = cli.main(_run(tmp_path, device_name, "--backends", "rounded"))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "difftest run: error: [Errno 28] cannot write " in err and ".running: No space" in err
+    assert _pending_files(tmp_path) == []
+    monkeypatch.undo()
+    assert report_previous_crashes(str(tmp_path / "art"), "the next run") == []
+
+
 def test_an_optional_backend_may_be_unavailable(tmp_path, capsys, device_name) -> None:
     code = cli.main(_run(tmp_path, device_name, "--backends", "rounded,probe-raises",
                          "--optional", "probe-raises"))
@@ -324,11 +361,12 @@ def _pending_files(tmp_path: Path) -> list[Path]:
     return sorted((tmp_path / "art" / "pending").glob("*"))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_run_writes_a_partial_report_and_blames_no_kernel(
         tmp_path: Path, signum: int) -> None:
     """Ctrl-C printed a 60-line traceback, wrote no report and left the pending file, so the
-    next run reported a crash of the backend; SIGTERM the same, silently."""
+    next run reported a crash of the backend; SIGTERM the same, silently; SIGHUP (a closed
+    terminal, a CI agent that lost its session) too, after SIGINT and SIGTERM were handled."""
     proc, report, marks = _slow_run(tmp_path)
     _sleeper(marks, proc)
     proc.send_signal(signum)
@@ -371,11 +409,11 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_pytest_session_blames_no_kernel(tmp_path: Path, signum: int) -> None:
-    """A pytest session stopped mid-case (Ctrl-C; a CI timeout's SIGINT or SIGTERM) left the
-    case pending, and the next run reported it as a crash of the backend that was running;
-    the report did not say which case the signal stopped."""
+    """A pytest session stopped mid-case (Ctrl-C; a CI timeout's SIGINT or SIGTERM; a closed
+    terminal's SIGHUP) left the case pending, and the next run reported it as a crash of the
+    backend that was running; the report did not say which case the signal stopped."""
     (tmp_path / "slow.py").write_text(SLOW)
     (tmp_path / "test_tiny.py").write_text(PYTEST_CASES)
     marks = tmp_path / "marks"
@@ -528,3 +566,21 @@ def test_an_unwritable_report_is_refused_before_the_first_case(tmp_path, capsys,
     assert code == 2
     assert f"difftest run: error: [Errno 2] cannot write {report} " in err
     assert not (tmp_path / "art" / "pending").exists()
+
+
+def test_a_run_under_nohup_keeps_ignoring_sighup() -> None:
+    """SIGHUP ends a run like SIGTERM, except where the process was started to outlive its
+    terminal (``nohup``: SIGHUP ignored), which it still does."""
+    from difftest.primitives import interrupts
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with interrupts.catching_signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with interrupts.catching_signals():
+            assert callable(signal.getsignal(signal.SIGHUP))
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)

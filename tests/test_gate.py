@@ -267,3 +267,63 @@ def test_a_partial_report_fails(tmp_path, capsys, baseline, side) -> None:
     code, out = _gate(tmp_path, capsys, *pair)
     assert code == 1
     assert f"FAIL the {side} is a partial report: its run was interrupted by SIGINT" in out
+
+
+def test_an_empty_baseline_is_no_pass(tmp_path, capsys, baseline) -> None:
+    """A baseline without a case passed any candidate: nothing was compared."""
+    empty = copy.deepcopy(baseline)
+    empty["cases"] = []
+    code, out = _gate(tmp_path, capsys, empty, baseline)
+    assert code == 1, out
+    assert "FAIL the baseline holds no case: nothing was compared" in out
+    assert "GATE FAILED: 1 regression(s); 0 baseline cases" in out
+
+
+def test_a_backend_listed_twice_in_a_case_is_refused(tmp_path, capsys, baseline) -> None:
+    """A ``disagree`` copy of a backend's result before its ``agree`` one: the gate judged
+    only the last (GATE PASSED) and merge kept both. Which is the verdict? Neither says."""
+    doubled = copy.deepcopy(baseline)
+    entry = copy.deepcopy(_result(doubled))
+    entry["status"] = "disagree"
+    doubled["cases"][0]["results"].insert(0, entry)
+    case_id = baseline["cases"][0]["case_id"]
+    for base, cand, side in ((baseline, doubled, "candidate"), (doubled, baseline, "baseline")):
+        paths = [str(write_json(tmp_path / f"{n}.json", r)) for n, r in (("b", base), ("c", cand))]
+        code = cli.main(["gate", *paths])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert (f"difftest gate: the {side}: case {case_id} lists backend {BACKEND} 2 times "
+                "(each backend once per case)") in err, err
+    path = write_json(tmp_path / "doubled.json", doubled)
+    assert cli.main(["merge", str(path), "-o", str(tmp_path / "m.json")]) == 2
+    assert f"difftest merge: {path}: case {case_id} lists backend {BACKEND} 2 times" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "m.json").exists()
+
+
+def _known(result: dict[str, Any], finding: str, new: bool = False) -> dict[str, Any]:
+    result["status"] = "disagree"
+    result["comparison"]["max_ratio"] = float("inf")
+    result["known_bug"] = {"findings": [{"finding": finding, "rows": [[0, 0]]}],
+                           "new_failure": new, "unexplained_rows": [[1, 1]] if new else []}
+    return result
+
+
+@pytest.mark.parametrize(("before", "after", "verdict", "fails"), [
+    ("F25", "F25", "still known bug F25", False),
+    ("F25", "F21", "known bug F25 -> F21", False),
+    ("F21", None, "fixed", False),
+    (None, "F21", "known bug F21 newly shows", True),
+    ("F21", "F21+new", "new disagree beyond known bug F21", True),
+])
+def test_known_bugs_stay_change_and_go_without_failing_the_gate(
+        tmp_path, capsys, baseline, before: str | None, after: str | None, verdict: str,
+        fails: bool) -> None:
+    base, cand = copy.deepcopy(baseline), copy.deepcopy(baseline)
+    if before:
+        _known(_result(base), before)
+    if after:
+        _known(_result(cand), after.removesuffix("+new"), new=after.endswith("+new"))
+    code, out = _gate(tmp_path, capsys, base, cand)
+    assert code == int(fails), out
+    assert (f"FAIL {verdict}" if fails else f"  {verdict}") in out, out

@@ -37,11 +37,14 @@ class Perturbed(Rounded):
         return out
 
 
-class KnownBroken(Perturbed):
+class KnownBroken(Rounded):
     name = "known-broken"
 
     def versions(self):
         return {"fake": "1.0"}
+
+    def run(self, inputs):
+        raise RuntimeError("the fake known bug")
 
 
 class Raises(Rounded):
@@ -69,9 +72,10 @@ DIFFTEST_BACKENDS = [Rounded, Perturbed, KnownBroken, Raises, Refuses, Missing]
 '''
 EXPECTATIONS = {"expectations": [
     {"finding": "F99", "summary": "a fake known bug", "backends": ["known-broken"],
-     "releases": "fake <=1.0", "when": {}},
+     "releases": "fake <=1.0", "when": {}, "error": "the fake known bug"},
     {"finding": "F98", "summary": "an expected bug of a backend that agrees",
-     "backends": ["rounded"], "releases": "torch >=0", "when": {}}]}
+     "backends": ["rounded"], "releases": "torch >=0", "when": {},
+     "model": "softcap_overflow"}]}
 BACKENDS = "rounded,perturbed,known-broken,raises,refuses,missing"
 
 
@@ -84,7 +88,7 @@ def junit(tmp_path_factory: pytest.TempPathFactory) -> tuple[ET.Element, Path, i
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DIFFTEST_EXPECTATIONS", str(tmp / "expectations.json"))
         status = main(["run", "--device", "cpu", "--plugin", str(tmp / "fakes.py"),
-                       "--backends", BACKENDS, "--optional", "missing", "--examples", "2",
+                       "--backends", BACKENDS, "--optional", "missing,refuses", "--examples", "2",
                        "--no-corpus", "--artifacts", str(tmp / "art"),
                        "--report", str(tmp / "r.json"), "--junit", str(tmp / "j.xml")])
     return ET.parse(tmp / "j.xml").getroot(), tmp, status
@@ -141,7 +145,7 @@ def test_known_bugs_are_marked_and_the_run_suite_holds_the_unseen_expectation(ju
     for testcase in _cases(root, "known-broken"):
         skipped = testcase.find("skipped")
         assert skipped.get("type") == "known-bug"
-        assert skipped.get("message") == "known bug F99 (docs/findings.md F99): disagree"
+        assert skipped.get("message") == "known bug F99 (docs/findings.md F99): error"
         assert "replay: difftest repro" in skipped.text
         assert testcase.find("properties/property[@name='known_bug']").get("value") == "F99"
     (run,) = _cases(root, "difftest run")

@@ -8,10 +8,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from packaging.specifiers import SpecifierSet
 
 from difftest import cli
-from difftest.judgement import expectations
+from difftest.judgement import bug_rows, expectations
 from difftest.judgement.expectations import Expectation
 from difftest.results.records import Status
 
@@ -52,8 +53,10 @@ def test_a_failing_run_shows_its_failure_diagnosis_and_replay_first(
 def test_a_known_bug_is_named_in_the_summary_not_printed_in_full(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], device_name: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(bug_rows.MODELS, "every_row", lambda inputs: torch.ones(
+        (inputs.case.total_q, inputs.case.num_q_heads), dtype=torch.bool))
     known = Expectation("F0", "page ids at stride 8", (MUTANT,), "triton", SpecifierSet(">=0"),
-                        {})
+                        {}, model="every_row")
     monkeypatch.setattr(expectations, "load", lambda path=None: [known])
     code, lines = _run(tmp_path, capsys, device_name)
     assert code == 0, "\n".join(lines)

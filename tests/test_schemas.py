@@ -20,13 +20,21 @@ from difftest.contract.kernel_call import DeviceCode, KernelCall, StatedArgument
 from difftest.generation.corpus import load_corpus
 from difftest.primitives.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.reporting.report import (
+    READABLE_SCHEMAS,
     REPORT_JSON_SCHEMA,
     BackendEntry,
     MergedFrom,
     ReportFields,
     WorkerEntry,
 )
-from difftest.results.records import FEATURE_TYPES, STATUSES, CaseRecord, ResultRecord
+from difftest.results.records import (
+    FEATURE_TYPES,
+    STATUSES,
+    CaseRecord,
+    FindingRows,
+    KnownBug,
+    ResultRecord,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = json.loads(REPORT_JSON_SCHEMA.read_text())
@@ -55,6 +63,8 @@ def _required(cls: type, optional: frozenset[str] = frozenset()) -> set[str]:
     ("backend", BackendEntry, frozenset(), set()),
     ("worker", WorkerEntry, frozenset(), set()),
     ("merged_from", MergedFrom, frozenset(), set()),
+    ("known_bug", KnownBug, frozenset(), set()),
+    ("finding_rows", FindingRows, frozenset(), set()),
     (None, ReportFields, ReportFields.OPTIONAL, set()),
 ], ids=lambda v: getattr(v, "__name__", None) if isinstance(v, type) else None)
 def test_each_report_entry_has_exactly_the_record_fields(definition: str | None, cls: type,
@@ -72,7 +82,7 @@ def test_the_features_and_statuses_are_the_records_own() -> None:
     features = REPORT["$defs"]["features"]
     assert set(features["properties"]) == set(features["required"]) == set(FEATURE_TYPES)
     assert tuple(REPORT["$defs"]["result"]["properties"]["status"]["enum"]) == STATUSES
-    assert REPORT["properties"]["schema"]["const"] == "difftest.report/1"
+    assert tuple(REPORT["properties"]["schema"]["enum"]) == READABLE_SCHEMAS
 
 
 def test_the_case_schema_has_every_case_field_and_its_choices() -> None:

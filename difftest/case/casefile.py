@@ -16,9 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from difftest.case.spec import Case, CaseError
-from difftest.primitives.jsonfile import MAX_DEPTH, JSONFileError, nesting_depth, read_bounded
+from difftest.primitives.jsonfile import (
+    MAX_DEPTH,
+    JSONFileError,
+    check_parse_cost,
+    nesting_depth,
+    read_bounded,
+)
 
 _MAX_VALUE_TEXT = 60
+MAX_NAME = 1000  # characters of a case's name (a fitted variant names its changes)
 
 
 class CaseFileError(ValueError):
@@ -69,6 +76,11 @@ def case_from_object(data: Any) -> Case:
         elif not _matches(hints[field.name], data[field.name]):
             raise CaseError(field.name, f"= {_shown(data[field.name])}",
                             _describe(hints[field.name]))
+    name = data.get("name", "")
+    if not name.isprintable() or len(name) > MAX_NAME:
+        raise CaseError("name", f"= {_shown(name)}",
+                        f"printable text of at most {MAX_NAME} characters (no newline or "
+                        "control character: it is printed on one line)")
     return Case.from_dict(data)
 
 
@@ -80,6 +92,7 @@ def read_case_json(path: Path) -> Any:
         raise CaseFileError(f"cannot read {path}: No such file or directory")
     try:
         text = read_bounded(path)
+        check_parse_cost(text, str(path))
     except JSONFileError as exc:
         raise CaseFileError(str(exc)) from exc
     depth = nesting_depth(text)

@@ -227,6 +227,10 @@ class RunInputs:
                 )
         return self._caches[in_page_order]
 
+    def built_caches(self) -> dict[str, CacheViews]:
+        """The caches built so far, by in-page order."""
+        return dict(self._caches)
+
     def output(self, dtype: torch.dtype) -> torch.Tensor:
         """A fresh output buffer pre-filled with NaN, so unwritten rows show."""
         shape = (self.case.total_q, self.case.num_q_heads, self.case.head_dim)

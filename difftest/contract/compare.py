@@ -4,7 +4,8 @@ Modelled on ``torch.testing._comparison``: a single function produces a structur
 (counts, greatest error, greatest error/tolerance) and a message that says where it failed:
 request, query token, head, dim, and the page ids that query row attended. The runner adds
 the :mod:`difftest.judgement.diagnosis` of a disagreement (what the worst rows read instead) as
-``diagnosis``.
+``diagnosis``. :func:`compare_elements` also says which rows and heads were wrong
+(:class:`WrongElements`), for the judgement of known bugs row by row.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from difftest.case.spec import Case
 from difftest.contract.backend import EmptyRowOutput
 from difftest.contract.tolerance import Reference, Tolerance
 from difftest.primitives.cuda_graphs import GraphCache
+from difftest.primitives.text import printable
 
 WORST_LOCATIONS = 5
 
@@ -95,7 +97,7 @@ class Comparison:
         verb = "agrees with" if self.agrees else "disagrees with"
         lines = [
             f"{self.backend} {verb} {reference_name} on case {case.case_id}"
-            + (f" ({case.name})" if case.name else ""),
+            + (f" ({printable(case.name)})" if case.name else ""),
             f"  Mismatched elements: {self.mismatched} / {self.checked} "
             f"({100.0 * self.mismatched / max(self.checked, 1):.2f}%)",
             f"  Non-finite values in attended rows: {self.nonfinite}",
@@ -119,6 +121,18 @@ class Comparison:
         data["worst"] = [asdict(loc) | {"pages": list(loc.pages)} for loc in self.worst]
         data["diagnosis"] = list(self.diagnosis)
         return data
+
+
+@dataclass(frozen=True)
+class WrongElements:
+    """Where a disagreeing output was wrong, per ``[row, head]`` on the host (bool): ``wrong``
+    where any judged element of the row and head mismatched (non-finite ones included),
+    ``finite_wrong`` where a finite element mismatched, and per row ``violations`` (an empty
+    row that broke its declared output)."""
+
+    wrong: torch.Tensor
+    finite_wrong: torch.Tensor
+    violations: torch.Tensor
 
 
 _GRAPHS = GraphCache()  # the comparison's CUDA graphs, one per repeating signature
@@ -156,7 +170,7 @@ def _measured(actual: torch.Tensor, output: torch.Tensor, abs_output: torch.Tens
                                             violations)]).to(torch.float64)
     maxima = torch.stack([active_err.max() if active_err.numel() else zero,
                           ratio.max() if ratio.numel() else zero]).to(torch.float64)
-    return torch.cat((counts, maxima)), ratio, got, error, bound, mismatch
+    return torch.cat((counts, maxima)), ratio, got, error, bound, mismatch, violations
 
 
 def compare(
@@ -169,6 +183,21 @@ def compare(
     rows: Sequence[SparseRow],
 ) -> Comparison:
     """Compare ``actual`` with ``reference`` element by element."""
+    return compare_elements(backend, actual, reference, tolerance, empty_row_output, case,
+                            rows)[0]
+
+
+def compare_elements(
+    backend: str,
+    actual: torch.Tensor,
+    reference: Reference,
+    tolerance: Tolerance,
+    empty_row_output: EmptyRowOutput,
+    case: Case,
+    rows: Sequence[SparseRow],
+) -> tuple[Comparison, WrongElements | None]:
+    """:func:`compare`, and where the output was wrong (``None`` when it agrees), read to the
+    host before the comparison's next call reuses its buffers."""
     expected_shape = tuple(reference.output.shape)
     if tuple(actual.shape) != expected_shape:
         raise ValueError(f"{backend} returned shape {tuple(actual.shape)}, "
@@ -176,14 +205,19 @@ def compare(
     ref = reference.output
     args = (actual.detach().to(device=ref.device), ref, reference.abs_output,
             reference.logit_magnitude, reference.context_lens.to(ref.device))
-    values, ratio, got, error, bound, mismatch = _GRAPHS(
+    values, ratio, got, error, bound, mismatch, violations = _GRAPHS(
         _measured, args, (tolerance, empty_row_output))
     counts = values.tolist()  # the one device-to-host copy
     nonfinite, mismatched, checked, empty_rows, violated = (int(v) for v in counts[:5])
     max_abs_error, max_ratio = counts[5:]
     worst = _worst_locations(ratio, got, ref, error, bound, mismatch, case, rows) if (
         mismatched) else ()
-    return Comparison(
+    wrong = None
+    if mismatched or violated:
+        wrong = WrongElements(mismatch.any(dim=2).cpu(),
+                              (mismatch & torch.isfinite(got)).any(dim=2).cpu(),
+                              violations.cpu())
+    comparison = Comparison(
         backend=backend,
         agrees=mismatched == 0 and not violated,
         checked=checked,
@@ -197,6 +231,7 @@ def compare(
         tolerance=tolerance.describe(),
         worst=worst,
     )
+    return comparison, wrong
 
 
 def _worst_locations(

@@ -10,7 +10,10 @@ A broken backend never aborts a run. An entry point that fails to load (or to bu
 backends) becomes a :class:`BrokenBackend`, unavailable with the exception; every discovered
 backend is a :class:`GuardedBackend`, whose availability probe and ``versions()`` run once and
 make it unavailable, with the exception, if either raises. A ``--plugin`` the user named that
-cannot be loaded is a :class:`RegistryError`: the command line was wrong.
+cannot be loaded is a :class:`RegistryError`: the command line was wrong; so is a backend
+whose name is not one printable word, whose ``versions()`` returns anything but strings by
+name (the report could not hold it), two backends of one name, a name that sets an option
+twice (``[k_trim=off,k_trim=on]``) and two names that configure one backend.
 """
 
 from __future__ import annotations
@@ -94,10 +97,11 @@ class GuardedBackend:
     :mod:`difftest.run.runner`).
     """
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Backend, origin: str = "") -> None:
         self.inner = inner
         self.name = inner.name
         self.in_page_orders = inner.in_page_orders
+        self.origin = origin  # where it was found (a plug-in spec), for errors
         self._probed: tuple[Availability, dict[str, str]] | None = None
 
     def __getattr__(self, attr: str) -> Any:
@@ -113,11 +117,24 @@ class GuardedBackend:
                                                    f"{describe(exc)}")
             if availability.available:  # an unavailable backend's versions are never asked
                 try:
-                    versions = dict(self.inner.versions())
+                    found = self.inner.versions()
                 except Exception as exc:
                     availability = Availability(False, f"its versions() raised {describe(exc)}")
+                else:
+                    versions = self._checked(found)
             self._probed = availability, versions
         return self._probed
+
+    def _checked(self, versions: object) -> dict[str, str]:
+        """``versions`` as the report holds them; :class:`RegistryError` when they are not
+        strings by name (a plug-in's mistake: the command line named a wrong backend)."""
+        if not (isinstance(versions, Mapping) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in versions.items())):
+            where = f"{self.origin}: " if self.origin else ""
+            raise RegistryError(f"{where}backend {self.name!r}: versions() returned "
+                                f"{versions!r:.120}, which a report cannot hold (allowed: a "
+                                "mapping of strings to strings)")
+        return dict(versions)
 
     def availability(self) -> Availability:
         """The wrapped backend's, or unavailable with what its probe or versions raised."""
@@ -144,11 +161,22 @@ class GuardedBackend:
         return self.inner.run(inputs)
 
 
-def guard(backend: Backend) -> Backend:
-    """``backend`` as a :class:`GuardedBackend` (unchanged if it is one, or broken)."""
+def guard(backend: Backend, origin: str = "") -> Backend:
+    """``backend`` as a :class:`GuardedBackend` (unchanged if it is one, or broken);
+    ``origin``: where it was found, for errors."""
     if isinstance(backend, (GuardedBackend, BrokenBackend)):
         return backend
-    return GuardedBackend(backend)
+    return GuardedBackend(backend, origin)
+
+
+def check_name(name: object, origin: str) -> str:
+    """A backend's name, one printable word (it is printed on one line and stored in
+    reports); :class:`RegistryError` naming ``origin`` otherwise."""
+    if not (isinstance(name, str) and name and name.isprintable()
+            and not any(c.isspace() for c in name)):
+        raise RegistryError(f"{origin}: backend name {name!r:.80} is not allowed (allowed: "
+                            "printable text without spaces)")
+    return name
 
 
 def _as_backends(obj: Any, origin: str) -> list[Backend]:
@@ -237,12 +265,14 @@ def entry_point_backends() -> list[Backend]:
 def discover(plugins: Iterable[str] = ()) -> dict[str, Backend]:
     """All known backends by name: entry points first, then ``plugins`` in order."""
     backends: dict[str, Backend] = {}
-    sources = [entry_point_backends()] + [load_plugin(p) for p in plugins]
-    for group in sources:
+    sources = [("", entry_point_backends())] + [(f"--plugin {p}", load_plugin(p))
+                                                for p in plugins]
+    for origin, group in sources:
         for backend in group:
+            check_name(backend.name, origin or "an entry point")
             if backend.name in backends:
                 raise RegistryError(f"two backends are named {backend.name!r}")
-            backends[backend.name] = guard(backend)
+            backends[backend.name] = guard(backend, origin)
     return backends
 
 
@@ -297,20 +327,36 @@ def parse_name(name: str) -> tuple[str, dict[str, str]]:
     if not name.endswith("]") or "[" not in name:
         return name, {}
     base, _, inner = name[:-1].partition("[")
-    options = {}
+    options: dict[str, str] = {}
     for item in filter(None, (part.strip() for part in inner.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
             raise RegistryError(f"backend {name!r}: option {item!r} is not key=value")
+        if key.strip() in options:
+            raise RegistryError(f"backend {name!r}: option {key.strip()!r} is given twice "
+                                "(each option once)")
         options[key.strip()] = value.strip()
     return base, options
 
 
 def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]:
-    """The backends called ``names``, in that order; unknown names are an error.
+    """The backends called ``names``, in that order; unknown names are an error, and so are
+    two names of one backend (``x[k=default]`` is ``x``: it would run twice under one name).
 
     ``base[key=value,...]`` configures a registered backend through its ``with_options``.
     """
+    names = list(names)
+    chosen = _chosen(available, names)
+    given: dict[str, str] = {}
+    for name, backend in zip(names, chosen, strict=True):
+        if backend.name in given:
+            raise RegistryError(f"backends {given[backend.name]!r} and {name!r} are one "
+                                f"backend, {backend.name!r} (name each backend once)")
+        given[backend.name] = name
+    return chosen
+
+
+def _chosen(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]:
     chosen = []
     for name in names:
         if name in available:
@@ -324,7 +370,7 @@ def select(available: dict[str, Backend], names: Iterable[str]) -> list[Backend]
         if not options or not takes_options(backend):
             raise RegistryError(f"backend {base!r} takes no options (got {name!r})")
         try:
-            chosen.append(guard(backend.with_options(options)))
+            chosen.append(guard(backend.with_options(options), getattr(backend, "origin", "")))
         except ValueError as exc:  # a bad option: the name given was wrong
             raise RegistryError(f"backend {name!r}: {exc}") from exc
         except Exception as exc:  # the backend failed to configure itself

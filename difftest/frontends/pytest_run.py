@@ -238,13 +238,15 @@ def activate(config: pytest.Config) -> DifftestRun:
 
 
 def _stop_on_sigterm() -> None:
-    """Let SIGTERM (a CI job's timeout) stop pytest as Ctrl-C does, so that the case in
-    flight is recorded as interrupted instead of being left pending for the next run to
-    report as a crash. Only where SIGTERM still has its default action, in the main thread."""
+    """Let SIGTERM (a CI job's timeout) and SIGHUP (a closed terminal, a CI agent that lost
+    its session) stop pytest as Ctrl-C does, so that the case in flight is recorded as
+    interrupted instead of being left pending for the next run to report as a crash. Only
+    where the signal still has its default action, in the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _raise_keyboard_interrupt)
 
 
 def _raise_keyboard_interrupt(signum: int, _frame: object) -> None:
@@ -302,11 +304,17 @@ class RunLog:
 
 
 def case_property(result: CaseResult) -> tuple[str, str]:
-    """A JUnit property of one case: ``difftest:<case id>`` = ``backend=status(err/tol);...``."""
+    """A JUnit property of one case: ``difftest:<case id>`` = ``backend=status(err/tol);...``,
+    a failing result followed by its known bugs: ``[known F28]`` when they explain it wholly
+    (the test does not fail on it), ``[new beyond F28]`` when more is wrong."""
     parts = []
     for r in result.results:
         ratio = f"({r.comparison.max_ratio:.3g})" if r.comparison else ""
-        parts.append(f"{r.backend}={r.status.value}{ratio}")
+        known = ""
+        if r.known_bug is not None:
+            kind = "new beyond" if r.known_bug.new_failure else "known"
+            known = f"[{kind} {','.join(r.known_bug.names)}]"
+        parts.append(f"{r.backend}={r.status.value}{ratio}{known}")
     return f"difftest:{result.case.case_id}", ";".join(parts)
 
 
@@ -444,15 +452,16 @@ class DifftestRun:
         if self._item is not None:
             self._item.user_properties.append(case_property(result))
         self._item_results.append(result)
-        if result.failed and judge([session.records[-1]], self.expectations()).new:
+        if session.records[-1].new_failures:  # a result known bugs explain wholly passes
             text = failure_text(result, session.plugins)
             self._item_failure = self._item_failure or text
             pytest.fail(text, pytrace=False)
         return result
 
     def expectations(self) -> list[Expectation]:
-        """The known kernel bugs (:mod:`difftest.judgement.expectations`), read once: a result one
-        of them explains is logged but fails no test."""
+        """The known kernel bugs (:mod:`difftest.judgement.expectations`), read once, for the
+        closing summary's expected bugs not seen (each result's own verdict is judged when
+        it runs)."""
         if self._expectations is None:
             self._expectations = load_expectations()
         return self._expectations
@@ -610,15 +619,25 @@ class DifftestRun:
 
     def _unavailable_asked(self, lines: list[dict[str, Any]]) -> list[str]:
         """A line per backend of ``--difftest-backends`` (not ``--difftest-optional``) that
-        could not run in a process of this session (its logged entries): a session that
-        tested nothing of what was asked for is not a pass."""
+        could not run in a process of this session (its logged entries), or, when difftest
+        cases ran, that ran none of them: a session that tested nothing of what was asked for
+        is not a pass."""
         names = self.config.getoption("--difftest-backends")
         if not names:
             return []
-        entries = {name: entry for line in lines if line["kind"] == "session"
-                   for name, entry in line["backends"].items() if not entry["available"]}
+        entries: dict[str, Any] = {}
+        for line in lines:
+            if line["kind"] == "session":
+                for name, entry in line["backends"].items():
+                    if not entry["available"] or name not in entries:
+                        entries[name] = entry
+        records = [CaseRecord.from_dict(line["record"], "run log record")
+                   for line in lines if line["kind"] == "case"]
+        if not records:  # no difftest case ran (other tests selected): only availability
+            entries = {n: e for n, e in entries.items() if not e["available"]}
         optional = split_names(self.config.getoption("--difftest-optional") or "")
-        return unavailable_asked(entries, split_names(names), optional)
+        return unavailable_asked(entries, split_names(names), optional, records,
+                                 option(self.config, "--difftest-reference"))
 
 def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
     """A report's backends under test (every backend but the reference)."""
@@ -626,10 +645,10 @@ def _tested(backends: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]
 
 
 def _stopped_by(exc: BaseException) -> str:
-    """``SIGINT`` or ``SIGTERM`` for an interrupt (:func:`_stop_on_sigterm`), else the name
-    of what stopped the case (a timeout plug-in's exception)."""
+    """``SIGINT``, ``SIGTERM`` or ``SIGHUP`` for an interrupt (:func:`_stop_on_sigterm`),
+    else the name of what stopped the case (a timeout plug-in's exception)."""
     if isinstance(exc, KeyboardInterrupt):
-        return "SIGTERM" if "SIGTERM" in str(exc) else "SIGINT"
+        return next((name for name in ("SIGTERM", "SIGHUP") if name in str(exc)), "SIGINT")
     return type(exc).__name__
 
 

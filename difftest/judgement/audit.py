@@ -74,6 +74,31 @@ def _status(result: Any) -> str:
     return str(getattr(status, "value", status))
 
 
+def _known_findings(result: Any) -> list[str]:
+    """The findings of a result that known bugs explain wholly (none otherwise), from a
+    record object or its JSON entry."""
+    known = result.get("known_bug") if isinstance(result, Mapping) else result.known_bug
+    if not known or _status(result) not in RAN:
+        return []
+    if isinstance(known, Mapping):
+        return [] if known["new_failure"] else [f["finding"] for f in known["findings"]]
+    return [] if known.new_failure else known.names
+
+
+def known_bug_counts(items: Iterable[Mapping[str, Any] | Any],
+                     backends: Sequence[Any]) -> dict[str, dict[str, int]]:
+    """Per backend name: the results known bugs explain wholly, by finding."""
+    names = [_backend_name(b) for b in backends]
+    out: dict[str, dict[str, int]] = {name: {} for name in names}
+    for item in items:
+        for result in _results(item):
+            counts = out.get(_get(result, "backend"))
+            if counts is not None:
+                for finding in _known_findings(result):
+                    counts[finding] = counts.get(finding, 0) + 1
+    return out
+
+
 def statements(items: Iterable[Mapping[str, Any] | Any],
                backends: Sequence[Any]) -> dict[str, tuple[int, list[KernelCall]]]:
     """Per backend name: the cases it ran and the calls it stated in them, from run records
@@ -128,10 +153,13 @@ def audit_lines(items: Iterable[Mapping[str, Any] | Any], backends: Sequence[Any
     items = list(items)
     lines = [f"parameter coverage over {len(items)} cases"]
     coverage = audit(items, backends)
+    known = known_bug_counts(items, backends)
     for name, (ran, _) in statements(items, backends).items():
         rows = [c for c in coverage if c.backend == name]
+        bugs = ", ".join(f"{n} {finding}" for finding, n in sorted(known[name].items()))
+        bugs = f"; known bugs explain {bugs}" if bugs else ""
         if not rows:
-            lines.append(f"  {name}: ran {ran} case(s), stated no kernel call"
+            lines.append(f"  {name}: ran {ran} case(s){bugs}, stated no kernel call"
                          if ran else f"  {name}: ran no case, not audited")
             continue
         width = max(len(c.argument) for c in rows)
@@ -139,7 +167,8 @@ def audit_lines(items: Iterable[Mapping[str, Any] | Any], backends: Sequence[Any
         for c in rows:
             if c.kernel != kernel:
                 kernel = c.kernel
-                lines.append(f"  {name} -> {kernel} ({c.cases} calls stated in {ran} cases)")
+                lines.append(f"  {name} -> {kernel} ({c.cases} calls stated in {ran} cases"
+                             f"{bugs})")
             where = f" ({c.shape})" if c.shape else ""
             shown = "; ".join(c.values[:max_values])
             more = f"; ... ({len(c.values)} in all)" if len(c.values) > max_values else ""

@@ -1,31 +1,53 @@
-"""Known kernel bugs: which disagreements a run expects, and which expected ones went away.
+"""Known kernel bugs: which failures a run expects, judged row by row, and which went away.
 
 A real kernel bug is a finding (docs/findings.md), never an exclusion: the backend still runs
-the cases that trigger it. ``expectations.json`` beside this module (package data) lists each bug
-once, keyed by the backends it concerns, the releases that have it (a PEP 440 specifier over
-one ``versions`` entry of the backend, e.g. ``amd-aiter <=0.1.20.post1``) and the condition
-on the case that triggers it (case fields, plus ``nonfinite`` when the symptom is a
-non-finite output, or ``error``, a text the backend's error contains, when it raises).
-:func:`judge` sorts a report's failing results into new failures and known bugs, and names
-every expectation whose condition some case of the run met on a matching release without the
-bug showing (like a strict xfail): the bug may be fixed, so the entry must be revisited; an
-entry marked ``"strict": false`` (a condition wider than the trigger) is then only reported.
+the cases that trigger it. ``expectations.json`` beside this module (package data) lists each
+bug once, keyed by the backends it concerns, the releases that have it (a PEP 440 specifier
+over one ``versions`` entry of the backend, e.g. ``amd-aiter <=0.1.20.post1``), the condition
+on the case under which it can show (case fields), and what it does: ``error``, a text the
+backend's error contains, for a bug that raises; otherwise ``model``, the name of the bug's
+model (:mod:`difftest.judgement.bug_rows`), which predicts from the case which rows and heads
+it makes wrong, with ``nonfinite`` when they are NaN or inf.
+
+At run time :func:`explain` judges each failing result (the runner calls it with the
+comparison's :class:`~difftest.contract.compare.WrongElements`): it is those known bugs only
+when every wrong element lies inside their predictions (non-finite where the symptom is) and
+every other element agrees within tolerance; anything more makes it a new failure, with the
+known part named. The verdict is recorded in the result (``known_bug``,
+:class:`difftest.results.records.KnownBug`), so every reader of the report sees the same split.
+:func:`judge` sorts a report's failing results by that record, and names every strict
+expectation whose condition some case met on a matching release without the bug showing (like
+a strict xfail): the bug may be fixed, so the entry must be revisited; an entry marked
+``"strict": false`` (a condition wider than the trigger) is then only reported.
 ``$DIFFTEST_EXPECTATIONS`` points at another file.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from difftest.results.records import FAILING, CaseRecord, ResultRecord, Status
+from difftest.contract.backend import RunInputs
+from difftest.contract.compare import WrongElements
+from difftest.judgement.bug_rows import MODELS
+from difftest.primitives.jsonfile import JSONFileError, read_json
+from difftest.primitives.text import printable
+from difftest.results.records import (
+    FAILING,
+    CaseRecord,
+    FindingRows,
+    KnownBug,
+    ResultRecord,
+    Status,
+    row_ranges,
+)
 
 FILE_ENV = "DIFFTEST_EXPECTATIONS"
 DEFAULT_FILE = Path(__file__).resolve().parent / "expectations.json"
@@ -33,13 +55,15 @@ _FIELD_TESTS = ("min", "max", "equals")
 
 
 class ExpectationError(ValueError):
-    """The expectations file is malformed; the message names the entry and field."""
+    """The expectations file is malformed; the message names the file, the entry and field."""
 
 
 @dataclass(frozen=True)
 class Expectation:
     """One known bug: ``finding`` (e.g. ``F21``), the backend base names it concerns, the
-    version key and releases that have it, and its triggering condition."""
+    version key and releases that have it, the condition under which it can show, and what
+    it does: the ``error`` it raises, or the ``model`` (:data:`difftest.judgement.bug_rows.MODELS`)
+    that predicts the rows and heads it makes wrong (``nonfinite``: NaN or inf there)."""
 
     finding: str
     summary: str
@@ -50,6 +74,15 @@ class Expectation:
     nonfinite: bool = False
     error: str = ""
     strict: bool = True
+    model: str = ""
+
+    def predict(self, inputs: RunInputs) -> torch.Tensor:
+        """``[total_q, num_q_heads]`` bool on the host: where this bug may make the output of
+        ``inputs.case`` wrong (nowhere for an error, or an entry without a model)."""
+        case = inputs.case
+        if self.error or self.model not in MODELS:
+            return torch.zeros((case.total_q, case.num_q_heads), dtype=torch.bool)
+        return MODELS[self.model](inputs).to(device="cpu", dtype=torch.bool)
 
     def concerns(self, result: ResultRecord) -> bool:
         """Whether ``result`` comes from a backend and release this bug is known in."""
@@ -76,34 +109,55 @@ class Expectation:
                 return False
         return True
 
-    def explains(self, case: CaseRecord, result: ResultRecord) -> bool:
-        """Whether this bug explains ``result`` of ``case``: a disagreement, or with
-        ``error`` an error whose detail contains it."""
-        if not self.concerns(result) or not self.triggered_by(case.case):
-            return False
-        if self.error:
-            return result.status is Status.ERROR and self.error in result.detail
-        if result.status is not Status.DISAGREE:
-            return False
-        return not self.nonfinite or (result.comparison is not None
-                                      and result.comparison.nonfinite > 0)
+    def explained(self, inputs: RunInputs, wrong: WrongElements) -> torch.Tensor:
+        """``[total_q, num_q_heads]``: the wrong rows and heads of a disagreement on
+        ``inputs.case`` that this bug explains: inside its prediction, and where its symptom
+        is a non-finite output, with no finite element wrong there."""
+        inside = self.predict(inputs) & wrong.wrong
+        return inside & ~wrong.finite_wrong if self.nonfinite else inside
 
 
-def known_bug(expectations: Iterable[Expectation], case: Mapping[str, Any],
-              result: ResultRecord) -> str | None:
-    """The finding of the first expectation that explains ``result`` on ``case`` (a case's
-    dict), else ``None``."""
-    record = CaseRecord(case_id=str(case.get("id", "")), name="", case=dict(case),
-                        features={}, reference="", results=[result])
-    return next((e.finding for e in expectations if e.explains(record, result)), None)
+def explain(expectations: Iterable[Expectation], inputs: RunInputs, result: ResultRecord,
+            wrong: WrongElements | None) -> KnownBug | None:
+    """The known bugs in ``result`` (failing) of ``inputs.case``, judged from their models and
+    where the output was wrong (``wrong``, for a disagreement), or ``None`` when no known bug
+    explains any of it. An error is a known bug whose ``error`` text its detail contains; a
+    disagreement is the known bugs whose models explain its wrong rows and heads
+    (:meth:`Expectation.explained`): wholly, or, with anything left unexplained (rows, heads,
+    finite elements where the bug writes NaN, an empty row's violation), as a new failure
+    with the known part named."""
+    if result.status not in (Status.DISAGREE, Status.ERROR):
+        return None  # a crash is never a known bug
+    case = inputs.case.to_dict()
+    met = [e for e in expectations if e.concerns(result) and e.triggered_by(case)]
+    if result.status is Status.ERROR:
+        raised = next((e for e in met if e.error and e.error in result.detail), None)
+        return None if raised is None else KnownBug((FindingRows(raised.finding, None),), False)
+    if wrong is None:
+        return None
+    covered = torch.zeros_like(wrong.wrong)
+    parts = []
+    for expectation in (e for e in met if not e.error):
+        explained = expectation.explained(inputs, wrong)
+        if bool(explained.any()):
+            parts.append(FindingRows(expectation.finding,
+                                     row_ranges(explained.any(dim=1).nonzero()[:, 0].tolist())))
+            covered |= explained
+    if not parts:
+        return None
+    left = (wrong.wrong & ~covered).any(dim=1) | wrong.violations
+    return KnownBug(tuple(parts), bool(left.any()), row_ranges(left.nonzero()[:, 0].tolist()))
 
 
 @dataclass
 class Judgement:
-    """A run's failing results sorted by the expectations."""
+    """A run's failing results sorted by their recorded verdicts (``ResultRecord.known_bug``):
+    ``known``: per finding, the results known bugs explain wholly; ``partly``: per finding,
+    the new failures it explains a part of; ``new``: every new failure (those included)."""
 
     new: list[tuple[CaseRecord, ResultRecord]] = field(default_factory=list)
     known: dict[str, list[tuple[CaseRecord, ResultRecord]]] = field(default_factory=dict)
+    partly: dict[str, list[tuple[CaseRecord, ResultRecord]]] = field(default_factory=dict)
     unseen: dict[str, int] = field(default_factory=dict)  # finding -> matching results
     loose: frozenset[str] = frozenset()  # findings whose condition is wider than the trigger
 
@@ -123,7 +177,13 @@ class Judgement:
         for finding, hits in sorted(self.known.items()):
             backends = sorted({result.backend for _, result in hits})
             out.append(f"KNOWN BUG {finding}: {len(hits)} failure(s) on "
-                       f"{', '.join(backends)} (docs/findings.md {finding}); not new failures")
+                       f"{', '.join(printable(b) for b in backends)} (docs/findings.md {finding}); "
+                       "not new failures")
+        for finding, hits in sorted(self.partly.items()):
+            backends = sorted({result.backend for _, result in hits})
+            out.append(f"NEW FAILURE BEYOND KNOWN BUG {finding}: {len(hits)} result(s) on "
+                       f"{', '.join(printable(b) for b in backends)} are wrong outside what "
+                       f"{finding} makes wrong (docs/findings.md {finding}); new failures")
         for finding, matching in sorted(self.unseen.items()):
             tail = ("its condition is wider than what triggers it, so this is not a failure"
                     if finding in self.loose else
@@ -133,20 +193,41 @@ class Judgement:
         return out
 
 
+_ENTRY_FIELDS = {"finding": str, "summary": str, "backends": list, "releases": str,
+                 "when": dict, "nonfinite": bool, "error": str, "strict": bool, "model": str}
+
+
 def _expectation(entry: Any, where: str) -> Expectation:
     if not isinstance(entry, dict):
         raise ExpectationError(f"{where}: an object is needed")
+    for name, value in entry.items():
+        kind = _ENTRY_FIELDS.get(name)
+        if kind is None:
+            raise ExpectationError(f"{where}.{name}: not a field of an expectation (allowed: "
+                                   f"{', '.join(_ENTRY_FIELDS)})")
+        if not isinstance(value, kind) or (name == "backends" and not all(
+                isinstance(b, str) for b in value)):
+            raise ExpectationError(f"{where}.{name}: {value!r:.60} is not a "
+                                   f"{'list of strings' if kind is list else kind.__name__}")
+    missing = next((n for n in ("finding", "backends", "releases") if n not in entry), None)
+    if missing:
+        raise ExpectationError(f"{where}: missing field {missing!r}")
     try:
         when = entry.get("when", {})
         for name, test in when.items():
             if not isinstance(test, dict) or not set(test) <= set(_FIELD_TESTS) or not test:
                 raise ExpectationError(f"{where}.when.{name}: an object with "
                                        f"{', '.join(_FIELD_TESTS)} is needed")
-        key, _, specifier = str(entry["releases"]).partition(" ")
-        return Expectation(str(entry["finding"]), str(entry.get("summary", "")),
+        error, model = entry.get("error", ""), entry.get("model", "")
+        if not error and model not in MODELS:
+            raise ExpectationError(f"{where}.model: {model!r} is not a bug model (allowed: "
+                                   f"{', '.join(MODELS)}; or an 'error' text for a bug that "
+                                   "raises)")
+        key, _, specifier = entry["releases"].partition(" ")
+        return Expectation(entry["finding"], entry.get("summary", ""),
                            tuple(entry["backends"]), key, SpecifierSet(specifier), when,
-                           bool(entry.get("nonfinite", False)), str(entry.get("error", "")),
-                           bool(entry.get("strict", True)))
+                           entry.get("nonfinite", False), error, entry.get("strict", True),
+                           model)
     except KeyError as exc:
         raise ExpectationError(f"{where}: missing field {exc.args[0]!r}") from exc
     except InvalidSpecifier as exc:
@@ -155,11 +236,16 @@ def _expectation(entry: Any, where: str) -> Expectation:
 
 def load(path: Path | None = None) -> list[Expectation]:
     """The expectations of ``path`` (default ``$DIFFTEST_EXPECTATIONS`` or the checkout's
-    ``expectations.json``; none when that file is absent)."""
+    ``expectations.json``; none when that file does not exist); :class:`ExpectationError`
+    names the file and what is wrong in it (a directory, not JSON, a bad entry)."""
+    from_env = path is None and bool(os.environ.get(FILE_ENV))
     path = path or Path(os.environ.get(FILE_ENV) or DEFAULT_FILE)
-    if not path.is_file():
+    if not path.exists():
         return []
-    data = json.loads(path.read_text())
+    try:
+        data = read_json(path)
+    except JSONFileError as exc:
+        raise ExpectationError(f"{exc}" + (f" (${FILE_ENV})" if from_env else "")) from exc
     entries = data.get("expectations") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         raise ExpectationError(f"{path}: an object with an 'expectations' array is needed")
@@ -167,11 +253,12 @@ def load(path: Path | None = None) -> list[Expectation]:
 
 
 def judge(cases: Iterable[CaseRecord], expectations: list[Expectation]) -> Judgement:
-    """Sort every failing result of ``cases`` into new failures and known bugs, and find the
-    expected bugs that did not show."""
+    """Sort every failing result of ``cases`` by its recorded verdict (``known_bug``) into
+    new failures and known bugs, and find the expected bugs (``expectations``) that did not
+    show."""
     judgement = Judgement()
     matching: dict[str, int] = {}
-    shown: set[str] = set()
+    seen: set[str] = set()
     for case in cases:
         for result in case.results:
             for expectation in expectations:
@@ -180,12 +267,13 @@ def judge(cases: Iterable[CaseRecord], expectations: list[Expectation]) -> Judge
                     matching[expectation.finding] = matching.get(expectation.finding, 0) + 1
             if result.status not in FAILING:
                 continue
-            known = next((e for e in expectations if e.explains(case, result)), None)
-            if known is None:
+            findings = result.known_bug.names if result.known_bug is not None else []
+            seen.update(findings)
+            sorted_into = judgement.known if result.is_known_bug else judgement.partly
+            for finding in findings:
+                sorted_into.setdefault(finding, []).append((case, result))
+            if result.is_new_failure:
                 judgement.new.append((case, result))
-            else:
-                shown.add(known.finding)
-                judgement.known.setdefault(known.finding, []).append((case, result))
-    judgement.unseen = {f: n for f, n in matching.items() if f not in shown}
+    judgement.unseen = {f: n for f, n in matching.items() if f not in seen}
     judgement.loose = frozenset(e.finding for e in expectations if not e.strict)
     return judgement

@@ -1,10 +1,12 @@
-"""Interrupts (Ctrl-C's SIGINT, SIGTERM) as one exception a run can end cleanly on.
+"""Interrupts (Ctrl-C's SIGINT, SIGTERM, SIGHUP) as one exception a run can end cleanly on.
 
-Python raises ``KeyboardInterrupt`` for SIGINT and dies silently on SIGTERM (status 143,
-nothing written). Inside :func:`catching_signals` both become :class:`Interrupted`, which
-carries the signal, so a run can record the case it was in as interrupted (not as a crash of
-the backend that happened to be running), write what it finished as a partial report, say so
-in one line and exit with the shell's status for the signal (``128 + signum``: 130, 143).
+Python raises ``KeyboardInterrupt`` for SIGINT and dies silently on SIGTERM and SIGHUP (a
+closed terminal, a CI agent that lost its session: status 143 or 129, nothing written, the
+case in flight left pending for the next run to report as a crash). Inside
+:func:`catching_signals` each becomes :class:`Interrupted`, which carries the signal, so a run
+can record the case it was in as interrupted (not as a crash of the backend that happened to
+be running), write what it finished as a partial report, say so in one line and exit with the
+shell's status for the signal (``128 + signum``: 130, 143, 129).
 A signal that lands where Python cannot raise (a garbage-collector callback, a ``__del__``)
 stays pending: :func:`raise_pending` raises it at the run's next safe point. Signals after the
 first are ignored, so that the run's cleanup is not itself interrupted.
@@ -28,7 +30,7 @@ class Interrupted(BaseException):  # like KeyboardInterrupt: not an error
 
     @property
     def name(self) -> str:
-        """``SIGINT`` or ``SIGTERM``."""
+        """``SIGINT``, ``SIGTERM`` or ``SIGHUP``."""
         return signal.Signals(self.signum).name
 
     @property
@@ -37,6 +39,7 @@ class Interrupted(BaseException):  # like KeyboardInterrupt: not an error
         return 128 + self.signum
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each ends a run as Ctrl-C does
 _pending: list[int] = []
 
 
@@ -66,10 +69,12 @@ def _quiet_unraisable(previous: object) -> object:
 
 @contextmanager
 def catching_signals() -> Iterator[None]:
-    """Within, SIGINT and SIGTERM raise :class:`Interrupted` (in the main thread); the
-    previous handlers come back on exit. Elsewhere than the main thread it changes nothing."""
-    try:
-        previous = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    """Within, each of :data:`SIGNALS` raises :class:`Interrupted` (in the main thread), but
+    a SIGHUP the process ignores (started under ``nohup``); the previous handlers come back on
+    exit. Elsewhere than the main thread it changes nothing."""
+    try:  # a SIGHUP that is ignored stays so (nohup: the run outlives its terminal)
+        previous = {s: signal.signal(s, _raise) for s in SIGNALS
+                    if not (s == signal.SIGHUP and signal.getsignal(s) is signal.SIG_IGN)}
     except ValueError:  # not the main thread: signals cannot be handled here
         yield
         return

@@ -7,9 +7,13 @@ strings ``"Infinity"``, ``"-Infinity"`` and ``"NaN"`` instead (docs/report-schem
 :func:`read_json` still accepts the bare tokens, so reports written before read as before.
 
 Every file read here is untrusted: only a regular file is read (a FIFO would block, a device
-such as ``/dev/zero`` never ends), at most :data:`MAX_BYTES` of it, and its JSON may nest at
-most :data:`MAX_DEPTH` deep (deeper would reach Python's recursion limit in the parser or in
-the readers after it); each refusal is a :class:`JSONFileError` naming the file.
+such as ``/dev/zero`` never ends), at most :data:`MAX_BYTES` of it, its JSON may nest at most
+:data:`MAX_DEPTH` deep (deeper would reach Python's recursion limit in the parser or in the
+readers after it), and parsing it may take at most :data:`MAX_PARSE_FACTOR` times its size in
+memory (:func:`check_parse_cost`: Python's objects for ``[[],[],...]`` take 21 times the
+text, so a file at the size cap could take 23 GB); each refusal is a :class:`JSONFileError`
+naming the file. Numbers are parsed into shared objects (an id that recurs in every case is
+one ``int``), which keeps a report's parse near twice its size.
 
 :func:`write_json` (and :func:`write_text`) write the whole text to a temporary file in the
 target's directory, fsync it and rename it over the target: a reader, or a process killed
@@ -24,14 +28,28 @@ import math
 import os
 import re
 import stat
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 NONFINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
 MAX_BYTES = 1 << 30  # a report of thousands of production-shape cases is tens of MB
 MAX_DEPTH = 64  # reports nest 8 deep
-_STRINGS_OR_TEXT = re.compile(r'"(?:[^"\\]|\\.)*"|[^\[\]{}"]+')
+# Memory a parse may take, as a multiple of the text's length: difftest's reports and logs
+# estimate 3.8 (indented) to 5.5 (compact), and take 2 to 3 (tests/test_bad_input.py)
+MAX_PARSE_FACTOR = 10
+# Upper estimates of what a parsed value costs beyond its text (CPython 3.11, 64-bit): an
+# array or object with its table, a string object, a slot in its container
+_CONTAINER_BYTES, _STRING_BYTES, _SLOT_BYTES = 100, 50, 8
+_PARSE_ALLOWANCE = 1 << 20  # bytes any text may take besides (small files are never refused)
+_CHUNK = 1 << 16  # bytes read at a time past the size a file had when opened (a read
+# allocates all it asks for first)
+# a string (its escapes unrolled: twice as fast as an alternation per character), or a run of
+# text without brackets or quotes
+_STRINGS_OR_TEXT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[^\[\]{}"]+')
 
 
 class JSONFileError(ValueError):
@@ -156,27 +174,67 @@ def append_json_line(path: Path | str, value: Any) -> None:
 def nesting_depth(text: str) -> int:
     """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings do not
     count), without parsing it."""
-    depth = deepest = 0
-    for char in _STRINGS_OR_TEXT.sub("", text):
-        if char in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif char in "]}":
-            depth -= 1
-    return deepest
+    brackets = np.frombuffer(_STRINGS_OR_TEXT.sub("", text).encode("ascii"), dtype=np.uint8)
+    if not brackets.size:
+        return 0
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+    return max(int(np.cumsum(steps, dtype=np.int32).max()), 0)
+
+
+def parse_cost(text: str) -> int:
+    """An upper estimate of the memory (bytes) that parsing JSON ``text`` takes, the text
+    included, from counts of its brackets, quotes and commas (no parse)."""
+    containers = text.count("[") + text.count("{")
+    return (sys.getsizeof(text) + _CONTAINER_BYTES * containers
+            + _STRING_BYTES * (text.count('"') // 2) + _SLOT_BYTES * text.count(","))
+
+
+def check_parse_cost(text: str, where: str) -> None:
+    """:class:`JSONFileError` naming ``where`` when parsing ``text`` would take more than
+    :data:`MAX_PARSE_FACTOR` times its length, plus a MiB (:func:`parse_cost`): checked before
+    parsing."""
+    cost = parse_cost(text)
+    if cost > MAX_PARSE_FACTOR * len(text) + _PARSE_ALLOWANCE:
+        raise JSONFileError(
+            f"{where}: parsing it would take about {cost / len(text):.0f} times its "
+            f"{len(text)} characters in memory (allowed: at most {MAX_PARSE_FACTOR} times; "
+            "it holds mostly tiny arrays, objects or strings, which no difftest file does)")
+
+
+class _SharedNumbers:
+    """``parse_int``/``parse_float`` of one parse: equal numbers become one object."""
+
+    def __init__(self) -> None:
+        self.ints: dict[str, int] = {}
+        self.floats: dict[str, float] = {}
+
+    def int(self, text: str) -> int:
+        value = self.ints.get(text)
+        if value is None:
+            value = self.ints[text] = int(text)
+        return value
+
+    def float(self, text: str) -> float:
+        value = self.floats.get(text)
+        if value is None:
+            value = self.floats[text] = float(text)
+        return value
 
 
 def loads(text: str, where: str) -> Any:
     """Parse JSON ``text`` (strict, or with the bare non-finite tokens of older files);
-    :class:`JSONFileError` names ``where`` and says what is wrong."""
+    :class:`JSONFileError` names ``where`` and says what is wrong (also a text too costly to
+    parse, :func:`check_parse_cost`, or nested too deep)."""
     if not text.strip():
         raise JSONFileError(f"{where}: empty (not JSON)")
+    check_parse_cost(text, where)
     depth = nesting_depth(text)
     if depth > MAX_DEPTH:
         raise JSONFileError(f"{where}: nested {depth} deep (allowed: at most {MAX_DEPTH} "
                             "levels of arrays and objects)")
+    numbers = _SharedNumbers()
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=numbers.int, parse_float=numbers.float)
     except json.JSONDecodeError as exc:
         cut = " - the file looks truncated" if _unclosed(text) else ""
         raise JSONFileError(f"{where}: not JSON: {exc.msg} (line {exc.lineno} column "
@@ -209,15 +267,20 @@ def read_bounded(path: Path | str, limit: int | None = None) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
     except OSError as exc:
         raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):  # before fdopen, which refuses a directory naming
+        os.close(fd)                    # only the descriptor
+        mode = info.st_mode
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "not a regular file")
+        raise JSONFileError(f"{path}: is {kind} (allowed: a regular file)")
     with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
-                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                    else "not a regular file")
-            raise JSONFileError(f"{path}: is {kind} (allowed: a regular file)")
         try:
-            data = fh.read(limit + 1)
+            # what the file holds, not the cap: read(limit + 1) allocated 1 GiB for any file
+            data = fh.read(min(limit, info.st_size) + 1)
+            while len(data) <= limit and (more := fh.read(_CHUNK)):  # it grew meanwhile
+                data += more
         except OSError as exc:
             raise JSONFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     if len(data) > limit:

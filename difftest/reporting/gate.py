@@ -1,11 +1,17 @@
 """The AITER bump gate: is a candidate report safe against a baseline on the same case set?
 
-Every (case id, backend) of the baseline is judged against the candidate. The gate fails on
+Every (case id, backend) of the baseline is judged against the candidate, by each result's
+recorded verdict (``known_bug``, :class:`difftest.results.records.KnownBug`): a failing result
+is a known bug (known kernel bugs explain all of it) or a new failure. The gate fails on
 
+* an empty baseline (nothing to compare with is no pass);
 * a case of the baseline missing from the candidate (the case set shrank), or a backend's
   result missing from a case;
-* a new failing status: the candidate disagrees, errors or crashes where the baseline did not
-  (or fails differently, e.g. a disagreement became a crash);
+* a new failure in the candidate where the baseline had none, or of another status (e.g. a
+  disagreement became a crash), known bugs in it or not (``new disagree``,
+  ``new disagree beyond known bug F28``);
+* a known bug the candidate shows where the baseline agreed (``known bug F23 newly shows``):
+  the bump brought it;
 * a backend unavailable (or absent) on either side: one that was asked for and could not
   run is not a pass, whatever the other side did; and a case it supported that it no longer
   supports;
@@ -19,7 +25,11 @@ Every (case id, backend) of the baseline is judged against the candidate. The ga
 versions (torch, vLLM, AITER, ...) and each backend's own versions, such as the vLLM release
 a ``triton-unified[vllm=0.30.0]`` or ``$DIFFTEST_VLLM`` run loaded its kernel from.
 
-Fixed cases and cases new in the candidate are listed but never fail the gate.
+A known bug that stays (``still known bug F28``) or turns into another known bug
+(``known bug F25 -> F21``), a failure that became a known bug, a newly supported case
+showing a known bug, fixed cases (a known bug or a failure that now agrees) and cases new in
+the candidate are listed but never fail the gate. Reports that list a backend twice in one
+case are refused (:class:`GateError`: which result would be judged?).
 """
 
 from __future__ import annotations
@@ -30,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from difftest.machine.fingerprint import comparable
-from difftest.reporting.report import case_records
+from difftest.primitives.text import printable
+from difftest.reporting.report import backend_twice, case_records
 from difftest.results.artifacts import repro_command
 from difftest.results.records import FAILING, NOT_RUN, CaseRecord, ResultRecord, Status
 
@@ -38,9 +49,16 @@ DEFAULT_MAX_RATIO_GROWTH = 2.0
 DEFAULT_RATIO_FLOOR = 0.5
 
 
+class GateError(ValueError):
+    """A report the gate cannot judge (a backend listed twice in one case); the message names
+    the side, the case and the backend."""
+
+
 @dataclass(frozen=True)
 class GateRow:
-    """The verdict on one (case, backend); ``None`` statuses mean the entry is missing."""
+    """The verdict on one (case, backend); ``None`` statuses mean the entry is missing. A
+    status of a failing result names its known bugs: ``disagree [F28]`` when they explain it
+    wholly, ``disagree [beyond F28]`` for a new failure with a known part."""
 
     case_id: str
     name: str
@@ -67,6 +85,18 @@ class GateResult:
         return bool(self.backend_findings) or any(r.fails for r in self.rows)
 
 
+def _status(result: ResultRecord) -> str:
+    """``disagree``, ``disagree [F28]`` (a known bug), ``disagree [beyond F28]``."""
+    if result.known_bug is None or result.status not in FAILING:
+        return result.status.value
+    beyond = "" if result.is_known_bug else "beyond "
+    return f"{result.status.value} [{beyond}{_findings(result)}]"
+
+
+def _findings(result: ResultRecord) -> str:
+    return ", ".join(result.known_bug.names) if result.known_bug is not None else ""
+
+
 def _judge(base: ResultRecord | None, cand: ResultRecord | None, growth: float,
            floor: float) -> tuple[str, bool]:
     if base is None:
@@ -78,8 +108,20 @@ def _judge(base: ResultRecord | None, cand: ResultRecord | None, growth: float,
         return ("became unavailable" if b is not Status.UNAVAILABLE
                 else "unavailable in the baseline" if c is not Status.UNAVAILABLE
                 else "unavailable in both", True)
-    if c in FAILING and c != b:
-        return (f"new {c.value}", True)
+    if cand.is_known_bug:
+        known = _findings(cand)
+        if base.is_known_bug:
+            was = _findings(base)
+            return ((f"still known bug {known}", False) if was == known
+                    else (f"known bug {was} -> {known}", False))
+        if b in FAILING:
+            return (f"now known bug {known} (was a new {b.value})", False)
+        if b in NOT_RUN:
+            return (f"newly supported: known bug {known}", False)
+        return (f"known bug {known} newly shows", True)
+    if cand.is_new_failure and (c != b or base.is_known_bug):
+        beyond = f" beyond known bug {_findings(cand)}" if cand.known_bug is not None else ""
+        return (f"new {c.value}{beyond}", True)
     if c is Status.UNSUPPORTED and b not in NOT_RUN:
         return ("no longer supported", True)
     if b in FAILING and c not in FAILING:
@@ -112,6 +154,13 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
                         f"({replay})")
     base_cases = case_records(baseline)
     cand_list = case_records(candidate)
+    for side, records in (("baseline", base_cases), ("candidate", cand_list)):
+        twice = backend_twice(records)
+        if twice:
+            raise GateError(f"the {side}: {twice}")
+    if not base_cases:
+        findings.append("the baseline holds no case: nothing was compared (an empty baseline "
+                        "is no pass)")
     findings += _duplicates(base_cases, "baseline") + _duplicates(cand_list, "candidate")
     cand_cases = {c.case_id: c for c in cand_list}
     base_ids = {c.case_id for c in base_cases}
@@ -128,8 +177,8 @@ def gate(baseline: dict[str, Any], candidate: dict[str, Any],
             base, cand = ours.get(backend), theirs.get(backend)
             verdict, fails = _judge(base, cand, max_ratio_growth, ratio_floor)
             rows.append(GateRow(
-                case.case_id, case.name, backend, base and base.status.value,
-                base and base.ratio, cand and cand.status.value, cand and cand.ratio,
+                case.case_id, case.name, backend, base and _status(base),
+                base and base.ratio, cand and _status(cand), cand and cand.ratio,
                 verdict, fails))
     for case in cand_cases.values():
         if case.case_id not in base_ids:
@@ -159,7 +208,7 @@ def _backend_findings(baseline: dict[str, Any], candidate: dict[str, Any]) -> li
 def _duplicates(cases: list[CaseRecord], side: str) -> list[str]:
     """A case id listed more than once: which entry is the verdict is undecidable."""
     counts = Counter(c.case_id for c in cases)
-    return [f"case {case_id} is listed {n} times in the {side} (each case once; "
+    return [f"case {printable(case_id)} is listed {n} times in the {side} (each case once; "
             "rerun or merge the shards)" for case_id, n in sorted(counts.items()) if n > 1]
 
 
@@ -203,19 +252,23 @@ def format_result(result: GateResult, show_all: bool = False) -> str:
     header = ("case id", "name", "backend", "baseline", "err/tol", "candidate", "err/tol",
               "verdict")
     table = [header] + [
-        (r.case_id, r.name or "-", r.backend, r.baseline_status or "-",
+        (printable(r.case_id), printable(r.name) or "-", printable(r.backend),
+         r.baseline_status or "-",
          _fmt_ratio(r.baseline_ratio), r.candidate_status or "-", _fmt_ratio(r.candidate_ratio),
-         ("FAIL " if r.fails else "") + r.verdict)
+         ("FAIL " if r.fails else "") + printable(r.verdict))
         for r in sorted(shown, key=lambda r: (not r.fails, r.case_id, r.backend))
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
              for row in table] if shown else []
-    lines += [f"FAIL {finding}" for finding in result.backend_findings]
+    lines += [f"FAIL {printable(finding)}" for finding in result.backend_findings]
     same = sum(r.verdict == "same" for r in result.rows)
     failing = sum(r.fails for r in result.rows) + len(result.backend_findings)
     pairs = sum(r.backend != "*" for r in result.rows)
     tail = f"{result.compared} baseline cases, {pairs} (case, backend) pairs, {same} unchanged"
+    known = [r for r in result.rows if not r.fails and "known bug" in r.verdict]
+    if known:
+        tail += f", {len(known)} known bug(s) not regressions"
     if result.failed:
         lines.append(f"GATE FAILED: {failing} regression(s); {tail}")
     else:

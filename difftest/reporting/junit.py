@@ -3,11 +3,13 @@
 One ``<testsuite>`` per backend under test, one ``<testcase>`` per (case, backend): a
 disagreement is a ``<failure>``, an error or a crash an ``<error>``, each with its message
 and the command that replays the case; ``unsupported`` and ``unavailable`` results are
-``<skipped>`` with their reasons; a failure a known bug explains (docs/findings.md) is
-``<skipped type="known-bug">`` naming the finding, with the failure's message and replay
-command, as pytest writes an expected failure. A last suite, ``difftest run``, holds what
-fails a run beyond its cases: crashes an earlier run left, backends asked for that could not
-run, expected bugs that did not show. Format: docs/workflows.md.
+``<skipped>`` with their reasons; a failure known bugs explain wholly (the run's recorded
+``known_bug``, docs/findings.md) is ``<skipped type="known-bug">`` naming the findings, with
+the failure's message and replay command, as pytest writes an expected failure; a new
+failure with a known part is a ``<failure>`` whose message names that part. A last suite,
+``difftest run``, holds what fails a run beyond its cases: crashes an earlier run left,
+backends asked for that could not run or ran no case, expected bugs that did not show.
+Format: docs/workflows.md.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ RUN_SUITE = "difftest run"
 
 
 def known_bugs(report: dict[str, Any]) -> dict[tuple[str, str], str]:
-    """``(case id, backend)`` -> the finding of the known bug that explains that failing
-    result (:func:`difftest.judgement.expectations.judge` over the report's records)."""
-    judgement = judge(case_records(report), load_expectations())
-    return {(case.case_id, result.backend): finding
-            for finding, pairs in judgement.known.items() for case, result in pairs}
+    """``(case id, backend)`` -> the findings of the known bugs that explain that failing
+    result wholly, as the run recorded them (``ResultRecord.known_bug``)."""
+    return {(case.case_id, result.backend): ", ".join(result.known_bug.names)
+            for case in case_records(report) for result in case.results
+            if result.is_known_bug and result.known_bug is not None}
 
 
 def expected_bugs_not_seen(report: dict[str, Any]) -> list[str]:
@@ -42,10 +44,13 @@ def expected_bugs_not_seen(report: dict[str, Any]) -> list[str]:
 
 
 def _message(case: CaseRecord, result: ResultRecord) -> str:
-    """The failure text of one result, as the run prints it."""
+    """The failure text of one result, as the run prints it (with its known bugs: a new
+    failure beyond a known bug names it)."""
     if result.status is Status.DISAGREE and result.comparison is not None:
-        return result.comparison.message(case_from_object(case.case), case.reference)
-    return f"{result.backend} {result.status.value} on case {case.case_id}:\n{result.detail}"
+        text = result.comparison.message(case_from_object(case.case), case.reference)
+    else:
+        text = f"{result.backend} {result.status.value} on case {case.case_id}:\n{result.detail}"
+    return text + (f"\n  {result.known_bug.describe()}" if result.known_bug is not None else "")
 
 
 def _testcase(suite: ET.Element, case: CaseRecord, result: ResultRecord,

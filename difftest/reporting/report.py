@@ -1,14 +1,18 @@
 """The versioned JSON report of a run, and its terminal summary.
 
-Schema ``difftest.report/1``, every field documented in ``docs/report-schema.md``:
+Schema ``difftest.report/2``, every field documented in ``docs/report-schema.md``:
 top-level ``schema``, ``created``, ``fingerprint``, ``config``, ``backends`` (availability and
 versions per backend), ``cases`` (one :class:`difftest.results.records.CaseRecord` per case, sorted
 by case id so shards merge deterministically), and where they apply ``workers`` (pytest-xdist),
 ``merged_from`` (``difftest merge``) and ``earlier_crashes``.
 
 A report is held as its JSON document (a dict); :func:`write_report` writes it as strict JSON,
-atomically, and :func:`read_report` checks every field of what it reads. Code that looks at
-the cases reads them with :func:`case_records`, never as bare dicts.
+atomically, and :func:`read_report` checks every field of what it reads (reports of schema
+``difftest.report/1``, before results recorded their known bugs, read as ones whose every
+failure is new). Code that looks at the cases reads them with :func:`case_records`, never as
+bare dicts. Every count of new failures and known bugs here comes from the results' recorded
+verdicts (:attr:`~difftest.results.records.ResultRecord.is_new_failure`), so ``run``,
+``merge``, ``repro`` and pytest print the same split from the same report.
 """
 
 from __future__ import annotations
@@ -23,14 +27,24 @@ from typing import TYPE_CHECKING, Any
 
 from difftest.contract.backend import Backend
 from difftest.primitives.jsonfile import JSONFileError, read_json, write_json
+from difftest.primitives.text import printable
 from difftest.results.artifacts import repro_command
 from difftest.results.features import coverage_table
-from difftest.results.records import FAILING, STATUSES, CaseRecord, RecordError, Status, read_entry
+from difftest.results.records import (
+    FAILING,
+    NOT_RUN,
+    STATUSES,
+    CaseRecord,
+    RecordError,
+    Status,
+    read_entry,
+)
 
 if TYPE_CHECKING:
     from difftest.judgement.expectations import Judgement
 
-REPORT_SCHEMA = "difftest.report/1"
+REPORT_SCHEMA = "difftest.report/2"
+READABLE_SCHEMAS = ("difftest.report/1", REPORT_SCHEMA)  # /1: results without known_bug
 # its JSON Schema (package data), which refers to the case's (difftest.case.spec)
 REPORT_JSON_SCHEMA = Path(__file__).with_name("report.schema.json")
 CASE_LISTS = ("cases", "earlier_crashes")
@@ -138,8 +152,9 @@ class Report:
 
     @property
     def failed(self) -> bool:
-        """Whether a backend disagreed, errored or crashed, or an earlier crash was found."""
-        return bool(self.earlier_crashes) or any(c.failed for c in self.cases)
+        """Whether a result is a new failure (a disagreement, error or crash no known bug
+        explains wholly), or an earlier crash was found."""
+        return bool(self.earlier_crashes) or any(c.new_failures for c in self.cases)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (schema :data:`REPORT_SCHEMA`)."""
@@ -184,9 +199,10 @@ def read_report(path: Path | str) -> dict[str, Any]:
         report = read_json(path)
     except JSONFileError as exc:
         raise ReportError(str(exc)) from exc
-    if not isinstance(report, dict) or report.get("schema") != REPORT_SCHEMA:
+    if not isinstance(report, dict) or report.get("schema") not in READABLE_SCHEMAS:
         schema = report.get("schema") if isinstance(report, dict) else None
-        raise ReportError(f"{path}: schema {schema!r}, expected {REPORT_SCHEMA!r}")
+        raise ReportError(f"{path}: schema {schema!r:.80}, expected {REPORT_SCHEMA!r} (or "
+                          f"{', '.join(map(repr, READABLE_SCHEMAS[:-1]))}, read as before)")
     try:
         read_entry(ReportFields, report, "", ReportFields.OPTIONAL)
         for key in CASE_LISTS:
@@ -203,6 +219,18 @@ def case_records(report: dict[str, Any], key: str = "cases") -> list[CaseRecord]
             for i, entry in enumerate(report.get(key) or [])]
 
 
+def backend_twice(cases: list[CaseRecord]) -> str | None:
+    """Why ``cases`` cannot be judged when a case lists a backend twice (which of its results
+    is the verdict?), else ``None``."""
+    for case in cases:
+        counts = Counter(r.backend for r in case.results)
+        twice = sorted(b for b, n in counts.items() if n > 1)
+        if twice:
+            return (f"case {printable(case.case_id)} lists backend {printable(twice[0])} "
+                    f"{counts[twice[0]]} times (each backend once per case)")
+    return None
+
+
 def status_matrix(cases: list[CaseRecord]) -> dict[str, Counter[Status]]:
     """backend -> Counter of statuses."""
     matrix: dict[str, Counter[Status]] = {}
@@ -212,21 +240,22 @@ def status_matrix(cases: list[CaseRecord]) -> dict[str, Counter[Status]]:
     return matrix
 
 
-def failure_lines(cases: list[CaseRecord], plugins: tuple[str, ...] = (),
-                  known: frozenset[tuple[str, str]] = frozenset()) -> list[str]:
-    """One line per failing case: what failed and the command that replays it; ``known``:
-    ``(case id, backend)`` results a known bug explains, left out (named elsewhere)."""
+def failure_lines(cases: list[CaseRecord], plugins: tuple[str, ...] = ()) -> list[str]:
+    """One line per case with a new failure: what failed (with the known bugs it holds too)
+    and the command that replays it; results known bugs explain wholly are left out (the
+    known-bug lines name them)."""
     lines = []
     for case in cases:
-        failing = [r for r in case.results
-                   if r.status in FAILING and (case.case_id, r.backend) not in known]
+        failing = case.new_failures
         if not failing:
             continue
         label = "CRASH" if any(r.status is Status.CRASH for r in failing) else "FAILED"
-        what = ", ".join(f"{r.backend} {r.status.value}" for r in failing)
+        what = ", ".join(f"{printable(r.backend)} {r.status.value}"
+                         + (f", beyond known bug {', '.join(r.known_bug.names)}"
+                            if r.known_bug is not None else "") for r in failing)
         replay = (f"replay with {repro_command(case.artifact, plugins)}" if case.artifact
                   else "no artifact directory")
-        lines.append(f"{label} case {case.case_id} ({what}): {replay}")
+        lines.append(f"{label} case {printable(case.case_id)} ({what}): {replay}")
     return lines
 
 
@@ -239,49 +268,60 @@ def unavailable_lines(report: dict[str, Any]) -> list[str]:
     return [f"unavailable: {', '.join(names)}: {reason}" for reason, names in by_reason.items()]
 
 
-def status_counts(report: dict[str, Any]) -> Counter[Status]:
-    """Results by status over the report's cases."""
-    return Counter(r.status for c in case_records(report) for r in c.results)
-
-
 def unavailable_asked(backends: dict[str, dict[str, Any]], asked: Sequence[str] | None,
-                      optional: Sequence[str]) -> list[str]:
+                      optional: Sequence[str], cases: Sequence[CaseRecord] = (),
+                      reference: str = "") -> list[str]:
     """One line per backend named with ``--backends`` (and not ``--optional``) that could not
-    run: a run that tested nothing of what was asked for is not a pass."""
-    return [f"backend {name} was asked for and could not run: {entry['reason']} (mark it "
-            f"--optional {name} to run without it)"
-            for name, entry in backends.items()
-            if name in (asked or ()) and name not in optional and not entry["available"]]
+    run, or, but for the ``reference``, that ran none of ``cases`` (each unsupported or
+    unavailable): a run that tested nothing of what was asked for is not a pass."""
+    lines = []
+    for name, entry in backends.items():
+        if name not in (asked or ()) or name in optional:
+            continue
+        if not entry["available"]:
+            lines.append(f"backend {printable(name)} was asked for and could not run: "
+                         f"{entry['reason']} (mark it --optional {name} to run without it)")
+            continue
+        results = [r for c in cases for r in c.results if r.backend == name]
+        if name != reference and all(r.status in NOT_RUN for r in results):
+            why = (f"all {len(results)} of its cases were unsupported" if results
+                   else "no case was run on it")
+            lines.append(f"backend {printable(name)} was asked for and ran no case: {why} "
+                         f"(mark it --optional {name} to run without it)")
+    return lines
 
 
 def verdict_line(report: dict[str, Any], path: str | None = None,
                  judgement: Judgement | None = None, missing: Sequence[str] = ()) -> str:
-    """The closing line of a run: PASSED or FAILED, the new failures by kind, the known bugs
-    met and the expected ones not seen (``judgement``, :mod:`difftest.judgement.expectations`), the
-    asked-for backends that could not run (``missing``: :func:`unavailable_asked`), what
-    did not run, and where the report is."""
-    counts = status_counts(report)
-    known = Counter(r.status for hits in (judgement.known if judgement else {}).values()
-                    for _, r in hits)
+    """The closing line of a run: PASSED or FAILED, the new failures by kind, the results
+    known bugs explain and their findings, the expected bugs not seen (``judgement``,
+    :mod:`difftest.judgement.expectations`), the asked-for backends that could not run or ran
+    nothing (``missing``: :func:`unavailable_asked`), what did not run, and where the report
+    is. The split of failures comes from the results' records."""
+    records = case_records(report)
+    results = [r for c in records for r in c.results]
+    counts = Counter(r.status for r in results)
+    new = Counter(r.status for r in results if r.is_new_failure)
+    known = [r for r in results if r.is_known_bug]
     crashes = len(report.get("earlier_crashes") or [])
-    failing = sum(counts[s] - known[s] for s in FAILING) + crashes
+    failing = sum(new.values()) + crashes
     unseen = judgement.strict_unseen if judgement else []
-    cases = len(report["cases"])
+    cases = len(records)
     unavailable = sorted(b for b, e in report["backends"].items() if not e["available"])
     if failing or unseen or missing:
-        kinds = [f"{counts[s] - known[s]} {s.value}" for s in Status
-                 if s in FAILING and counts[s] - known[s]]
+        kinds = [f"{new[s]} {s.value}" for s in Status if s in FAILING and new[s]]
         kinds += [f"{crashes} crash(es) left by an earlier run"] if crashes else []
         head = f"FAILED: {failing} new failure(s)" + (f" ({', '.join(kinds)})" if kinds else "")
         head += f" in {cases} cases"
         head += f"; expected bug(s) not seen: {', '.join(unseen)}" if unseen else ""
-        head += (f"; {len(missing)} asked-for backend(s) could not run" if missing else "")
+        head += (f"; {len(missing)} asked-for backend(s) could not run or ran no case"
+                 if missing else "")
     else:
         head = f"PASSED: {cases} cases, {counts[Status.AGREE]} agreements, no new failure"
     parts = [head]
-    if judgement and judgement.known:
-        parts.append(f"{sum(known.values())} known bug result(s) "
-                     f"({', '.join(sorted(judgement.known))})")
+    if known:
+        findings = sorted({f for r in known for f in r.known_bug.names})  # type: ignore[union-attr]
+        parts.append(f"{len(known)} known bug result(s) ({', '.join(findings)})")
     parts.append(f"{counts[Status.UNSUPPORTED]} unsupported")
     if unavailable:
         parts.append(f"{counts[Status.UNAVAILABLE]} unavailable ({', '.join(unavailable)})")
@@ -311,23 +351,22 @@ def blind_spot_lines(audit: dict[str, Any] | None, path: str | None = None,
 
 
 def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20,
-            unavailable: bool = True, coverage: bool = True,
-            known: frozenset[tuple[str, str]] = frozenset()) -> str:
-    """Agreement matrix, cases per backend, the worst cases and every failure, as text;
+            unavailable: bool = True, coverage: bool = True) -> str:
+    """Agreement matrix, cases per backend, the worst cases and every new failure, as text;
     ``unavailable``: with each unavailable backend's reason (:func:`unavailable_lines`);
-    ``coverage``: with the feature coverage table; ``known``: ``(case id, backend)``
-    results of known bugs, left out of the failure lines."""
+    ``coverage``: with the feature coverage table."""
     cases = case_records(report)
     matrix = status_matrix(cases)
     width = max([len(b) for b in matrix] + [7])
-    lines = [f"{len(cases)} cases; reference {cases[0].reference if cases else '-'}", ""]
+    reference = printable(cases[0].reference) if cases else "-"
+    lines = [f"{len(cases)} cases; reference {reference}", ""]
     lines.append(f"{'backend':<{width}}  " + "  ".join(f"{s:>11}" for s in STATUSES)
                  + "  worst err/tol")
     for backend, counts in sorted(matrix.items()):
         ratios = [r.ratio for c in cases for r in c.results
                   if r.backend == backend and r.ratio is not None and not math.isnan(r.ratio)]
         worst_ratio = f"{max(ratios):.3g}" if ratios else "-"
-        lines.append(f"{backend:<{width}}  "
+        lines.append(f"{printable(backend):<{width}}  "
                      + "  ".join(f"{counts[s]:>11}" for s in Status) + f"  {worst_ratio:>13}")
     ranked = sorted(
         ((r.ratio, c.case_id, c.name, r.backend, r.status.value)
@@ -336,15 +375,16 @@ def summary(report: dict[str, Any], worst: int = 5, max_failures: int = 20,
     )[:worst]
     if ranked:
         lines += ["", "worst cases (error/tolerance):"]
-        lines += [f"  {ratio:10.3g}  {backend:<{width}}  {case_id}  {status}  {name}".rstrip()
+        lines += [f"  {ratio:10.3g}  {printable(backend):<{width}}  {printable(case_id)}  "
+                  f"{status}  {printable(name)}".rstrip()
                   for ratio, case_id, name, backend, status in ranked]
     if cases and coverage:
         lines += ["", coverage_table(cases)]
     if unavailable:
         lines += unavailable_lines(report)
     plugins = tuple(report.get("config", {}).get("plugins", ()))
-    failures = failure_lines(cases, plugins, known) + [
-        f"CRASH case {c.case_id} (in an earlier run): replay with "
+    failures = failure_lines(cases, plugins) + [
+        f"CRASH case {printable(c.case_id)} (in an earlier run): replay with "
         f"{repro_command(c.artifact or '-', c.plugins or ())}"
         for c in case_records(report, "earlier_crashes")]
     if failures:

@@ -12,6 +12,7 @@ from typing import Any
 
 from difftest.case.selection import SparseRow, build_rows
 from difftest.case.spec import Case
+from difftest.primitives.text import printable
 from difftest.results.records import NOT_RUN, CaseRecord, Status
 
 PAGE_ID_2_16 = 1 << 16
@@ -97,7 +98,7 @@ def coverage_table(cases: list[CaseRecord]) -> str:
     labels = sorted({label for counts in ran.values() for label in counts})
     width = max(len(label) for label in labels)
     lines = ["coverage (agreeing / run):",
-             f"  {'feature':<{width}}  " + "  ".join(f"{b:>22}" for b in backends)]
+             f"  {'feature':<{width}}  " + "  ".join(f"{printable(b):>22}" for b in backends)]
     for label in labels:
         cells = [f"{agree.get(b, Counter())[label]}/{ran[b][label]}" for b in backends]
         lines.append(f"  {label:<{width}}  " + "  ".join(f"{c:>22}" for c in cells))

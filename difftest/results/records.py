@@ -19,6 +19,7 @@ import enum
 import functools
 import types
 import typing
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar, Union
 
@@ -116,7 +117,10 @@ def read_entry(cls: type[T], value: Any, where: str,
             values[name] = _read(entry[name], hints[name], _at(where, name))
         elif name not in optional:
             raise RecordError(f"{_at(where, name)}: missing")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except RecordError as exc:  # a check across fields (__post_init__)
+        raise RecordError(f"{where or 'top level'}: {exc}") from None
 
 
 def _at(where: str, name: str) -> str:
@@ -146,9 +150,94 @@ def _shown(value: Any) -> str:
     return f"{kind} {value!r:.80}" if value is not None else kind
 
 
+def row_ranges(rows: Iterable[int]) -> list[list[int]]:
+    """Sorted query rows as inclusive ``[first, last]`` ranges (``[0, 1, 2, 5]`` ->
+    ``[[0, 2], [5, 5]]``): how a record holds rows, bounded by the runs, not the rows."""
+    ranges: list[list[int]] = []
+    for row in sorted(set(rows)):
+        if ranges and ranges[-1][1] == row - 1:
+            ranges[-1][1] = row
+        else:
+            ranges.append([row, row])
+    return ranges
+
+
+def ranges_text(ranges: Iterable[Sequence[int]]) -> str:
+    """``[[0, 2], [5, 5]]`` as ``0..2, 5``."""
+    return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges) or "none"
+
+
+def _check_ranges(ranges: list[list[int]], name: str) -> None:
+    for pair in ranges:
+        if len(pair) != 2 or not 0 <= pair[0] <= pair[1]:
+            raise RecordError(f"{name}: {pair!r:.40} is not a range (allowed: [first, last] "
+                              "with 0 <= first <= last)")
+
+
+@dataclass(frozen=True)
+class FindingRows:
+    """One known kernel bug's part of a failing result: its finding (docs/findings.md) and the
+    query rows whose wrong elements the bug's model predicts, as :func:`row_ranges`;
+    ``rows`` is ``None`` for an error the bug raises (the whole result)."""
+
+    finding: str
+    rows: list[list[int]] | None
+
+    def __post_init__(self) -> None:
+        _check_ranges(self.rows or [], "rows")
+
+    def describe(self) -> str:
+        """``F28 (rows 0..3)``, or ``F25 (its error)``."""
+        where = "its error" if self.rows is None else f"rows {ranges_text(self.rows)}"
+        return f"{self.finding} ({where})"
+
+
+@dataclass(frozen=True)
+class KnownBug:
+    """The known kernel bugs in a failing result, as the run judged them from the bugs' models
+    (:mod:`difftest.judgement.expectations`): ``findings``, each with the rows it explains;
+    ``new_failure`` when anything else is wrong too (elements outside every model's
+    prediction, an empty row's violation), which makes the result a new failure with the known
+    part named; ``unexplained_rows``: the rows wrong outside every prediction
+    (:func:`row_ranges`)."""
+
+    findings: tuple[FindingRows, ...]
+    new_failure: bool
+    unexplained_rows: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_ranges(self.unexplained_rows, "unexplained_rows")
+        if not self.findings:
+            raise RecordError("findings: empty (a known bug names at least one finding)")
+
+    @property
+    def names(self) -> list[str]:
+        """The findings, in order (``["F22", "F24"]``)."""
+        return [f.finding for f in self.findings]
+
+    def describe(self) -> str:
+        """One line: ``known bug F28 (rows 0..3)``, or for a new failure ``new failure beyond
+        known bug F28 (rows 0..3): rows 4 wrong outside its model``."""
+        known = ", ".join(f.describe() for f in self.findings)
+        if not self.new_failure:
+            return f"known bug {known}"
+        return (f"new failure beyond known bug {known}: rows "
+                f"{ranges_text(self.unexplained_rows)} wrong outside its model")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON entry (``ResultRecord.known_bug``)."""
+        return {"findings": [{"finding": f.finding, "rows": f.rows} for f in self.findings],
+                "new_failure": self.new_failure, "unexplained_rows": self.unexplained_rows}
+
+
 @dataclass
 class ResultRecord:
-    """What one backend did on one case, as recorded."""
+    """What one backend did on one case, as recorded.
+
+    ``known_bug`` (set by the run on a failing result that a known kernel bug explains, in
+    whole or in part): :attr:`is_known_bug` and :attr:`is_new_failure` are the one reading
+    of it for every consumer (the verdict, ``gate``, ``merge``, ``repro``, ``plot``, the
+    pytest plug-in)."""
 
     backend: str
     status: Status
@@ -158,8 +247,21 @@ class ResultRecord:
     comparison: Comparison | None = None
     output_sha256: str | None = None
     calls: list[KernelCall] = field(default_factory=list)  # what the backend stated it ran
+    known_bug: KnownBug | None = None
 
-    READ_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"calls"})  # reports before them
+    # reports before them (schema difftest.report/1 had no known_bug)
+    READ_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"calls", "known_bug"})
+
+    @property
+    def is_known_bug(self) -> bool:
+        """A failing result that known kernel bugs explain wholly: not a new failure."""
+        return (self.status in FAILING and self.known_bug is not None
+                and not self.known_bug.new_failure)
+
+    @property
+    def is_new_failure(self) -> bool:
+        """A failing result (disagree, error, crash) that no known bug explains wholly."""
+        return self.status in FAILING and not self.is_known_bug
 
     @property
     def ratio(self) -> float | None:
@@ -172,7 +274,8 @@ class ResultRecord:
                 "detail": self.detail, "versions": dict(self.versions),
                 "comparison": None if self.comparison is None else self.comparison.to_dict(),
                 "output_sha256": self.output_sha256,
-                "calls": [dataclasses.asdict(c) for c in self.calls]}
+                "calls": [dataclasses.asdict(c) for c in self.calls],
+                "known_bug": None if self.known_bug is None else self.known_bug.to_dict()}
 
     @classmethod
     def from_dict(cls, value: Any, where: str) -> ResultRecord:
@@ -219,6 +322,12 @@ class CaseRecord:
     def failed(self) -> bool:
         """Whether any backend disagreed, errored or crashed."""
         return any(r.status in FAILING for r in self.results)
+
+    @property
+    def new_failures(self) -> list[ResultRecord]:
+        """The failing results no known bug explains wholly
+        (:attr:`ResultRecord.is_new_failure`)."""
+        return [r for r in self.results if r.is_new_failure]
 
     def in_pytest(self, worker: str | None, nodeid: str | None) -> CaseRecord:
         """This record as a pytest run logs it (``worker``, ``nodeid``)."""

@@ -30,8 +30,6 @@ import torch
 from difftest.contract.backend import RunInputs, serves_as_reference
 from difftest.contract.exported_call import ExportedCall
 from difftest.contract.tolerance import Tolerance
-from difftest.judgement.expectations import known_bug
-from difftest.judgement.expectations import load as load_expectations
 from difftest.results.artifacts import output_digest
 from difftest.results.records import FAILING, ResultRecord, Status
 from difftest.run import exported_script
@@ -113,8 +111,9 @@ def export(source: Path, output: Path | None = None, backend_name: str | None = 
     script = output or (source if source.is_dir() else source.parent) / (
         f"test_{call.kernel}_{case.case_id}.py")
     tensors_file = None if len(packed) <= INLINE_LIMIT else script.with_suffix(".pt")
-    bug = known_bug(load_expectations(), recorded["case"] if recorded else case.to_dict(),
-                    result) if result is not None and result.status in FAILING else None
+    # the known bugs the run recorded as explaining the failure wholly (its known_bug)
+    bug = (", ".join(result.known_bug.names) if result is not None and result.is_known_bug
+           and result.known_bug is not None else None)
     text = render(call, case.to_dict(), _versions(result, environment, backend), name,
                   result, bug, backend.empty_row_output(case).value, script.name,
                   tensors_file.name if tensors_file else None,

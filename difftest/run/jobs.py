@@ -28,7 +28,7 @@ wrote no report from there. The jobs import the parent's ``difftest`` (``PYTHONS
 directory first on ``PYTHONPATH``), never one in the current directory, and end with the
 parent (``PR_SET_PDEATHSIG``: SIGTERM, on Linux). Their directory lives under the artifacts
 (``jobs/<pid>.*``); one whose parent died is removed by the next ``--jobs`` run. An
-interrupt (SIGINT, SIGTERM) reaches every job, each writes its partial report, and the
+interrupt (SIGINT, SIGTERM, SIGHUP) reaches every job, each writes its partial report, and the
 parent merges them and says which signal stopped the run.
 
 Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread for torch and for

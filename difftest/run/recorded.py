@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from difftest.case.casefile import case_from_object
 from difftest.case.spec import Case, CaseError
 from difftest.reporting.report import ReportError, case_records, read_report
 
@@ -24,7 +25,7 @@ def recorded_runs(path: Path | str, backends: Sequence[str]
     runs: list[tuple[Case, tuple[str, ...] | None]] = []
     for i, record in enumerate(case_records(read_report(path))):
         try:
-            case = Case.from_dict(record.case)
+            case = case_from_object(record.case)  # checked as a case file is
         except (CaseError, TypeError, ValueError) as exc:
             raise ReportError(f"{path}: cases[{i}].case: {exc}") from exc
         names = tuple(r.backend for r in record.results if r.backend in backends)

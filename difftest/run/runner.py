@@ -9,6 +9,12 @@ Whoever runs a case observes it through :class:`RunHooks` (the session notes on 
 backend runs, and keeps each output's digest; a benchmark times each call): the backends
 are called as they are, never through a wrapper.
 
+Inputs are read-only to backends (:mod:`difftest.run.read_only`): a backend that wrote into
+what it was given gets the error ``wrote into its inputs``, and the inputs are rebuilt for
+the backends after it. A failing result is judged against the known kernel bugs
+(:func:`difftest.judgement.expectations.explain`, from where its output was wrong) and the
+verdict kept in the result (``known_bug``).
+
 A :class:`Preparation` builds a case's host-side inputs (segment tables, page table, features)
 ahead, in a worker process (:func:`prepare_host`) while earlier cases run; the rows are built
 only if something reads them (:class:`LazyRows`). Nothing in it touches the device, so no
@@ -35,16 +41,20 @@ from difftest.case.layouts import IN_PAGE_ORDERS
 from difftest.case.selection import SparseRow, build_rows, page_table
 from difftest.case.spec import Case
 from difftest.contract.backend import Backend, ReferenceBackend, RunInputs
-from difftest.contract.compare import Comparison, compare
+from difftest.contract.compare import Comparison, WrongElements, compare_elements
 from difftest.contract.kernel_call import KernelCall
 from difftest.contract.tolerance import Reference, Tolerance
 from difftest.inputs.case_data import HostTables, generate, host_tables
 from difftest.inputs.kv_cache import CachePool
 from difftest.judgement.diagnosis import Rerun, diagnosis_lines
+from difftest.judgement.expectations import Expectation, explain
 from difftest.machine.devices import to_device
 from difftest.results.features import case_features
-from difftest.results.records import FAILING, CaseRecord, ResultRecord, Status
+from difftest.results.records import FAILING, CaseRecord, KnownBug, ResultRecord, Status
 from difftest.run.footprint import refusal
+from difftest.run.read_only import InputDigests
+
+WROTE_INPUTS = "wrote into its inputs"
 
 __all__ = ["FAILING", "BackendResult", "CaseResult", "LazyRows", "Preparation", "PreparedHost",
            "RunHooks", "Status", "prepare_host", "run_case"]
@@ -76,12 +86,13 @@ class BackendResult:
     comparison: Comparison | None = None
     versions: dict[str, str] = field(default_factory=dict)
     calls: list[KernelCall] = field(default_factory=list)
+    known_bug: KnownBug | None = None
 
     def record(self, output_sha256: str | None = None) -> ResultRecord:
         """This result as recorded, with the digest of the backend's output."""
         return ResultRecord(self.backend, self.status, self.seconds, self.detail,
                             dict(self.versions), self.comparison, output_sha256,
-                            list(self.calls))
+                            list(self.calls), self.known_bug)
 
 
 @dataclass
@@ -110,6 +121,10 @@ class CaseResult:
             elif r.status in FAILING:
                 messages.append(f"{r.backend} {r.status.value} on case {self.case.case_id}:\n"
                                 f"{r.detail}")
+            else:
+                continue
+            if r.known_bug is not None:
+                messages[-1] += f"\n  {r.known_bug.describe()}"
         return messages
 
     def record(self, outputs: dict[str, str] | None = None, *,
@@ -243,6 +258,7 @@ def run_case(
     diagnose: bool | Callable[[Case, BackendResult], bool] = True,
     caches: CachePool | None = None,
     hooks: Sequence[RunHooks] = (),
+    known_bugs: Sequence[Expectation] = (),
 ) -> CaseResult:
     """Run ``case`` through ``reference`` and ``backends`` and judge each backend;
     ``prepared``: its host-side inputs, built ahead (:func:`prepare_host`); ``diagnose``:
@@ -252,7 +268,10 @@ def run_case(
     session keeps across cases, so that each cache is restored and rewritten where cases
     differ instead of filled whole (the same bytes); it is cleared after a case in which a
     backend failed, in case the backend wrote into its input cache; ``hooks``: observers of
-    each call (:class:`RunHooks`)."""
+    each call (:class:`RunHooks`), whose contexts are entered outside the backends' guard (a
+    hook that cannot note a call, e.g. on a full disk, stops the run: it is no backend's
+    error); ``known_bugs``: the expectations each failing result is judged against (a
+    disagreement a known bug explains wholly is not diagnosed)."""
     timings: dict[str, float] = {}
     rows: Sequence[SparseRow] | None = None
     # a case this device cannot hold is refused before anything is allocated
@@ -269,19 +288,47 @@ def run_case(
         _sync(device)
         timings["generate"] = time.perf_counter() - start
         start = time.perf_counter()
-        with _calling(hooks, case, reference.name, "reference"):
+    except Exception:  # a framework failure is every backend's error, never a lost case
+        return _every_error(case, reference.name, backends, timings, "generating its inputs")
+    with _calling(hooks, case, reference.name, "reference"):
+        try:
             truth = reference.reference(inputs)
             _sync(device)
-        timings["reference"] = time.perf_counter() - start
-    except Exception:  # a framework failure is every backend's error, never a lost case
-        detail = f"the reference {reference.name!r} could not be computed:\n{_traceback()}"
-        results = [BackendResult(b.name, Status.ERROR, detail=detail) for b in backends]
-    else:
-        results = [_run_backend(backend, inputs, truth, timings, diagnose, hooks)
-                   for backend in backends]
+            # its own context lengths: a backend writing into the inputs cannot change them
+            truth = dataclasses.replace(truth, context_lens=truth.context_lens.clone())
+            digests = InputDigests(inputs)
+        except Exception:
+            return _every_error(case, reference.name, backends, timings,
+                                f"the reference {reference.name!r} could not be computed")
+    timings["reference"] = time.perf_counter() - start
+    results = []
+    for backend in backends:
+        result = _run_backend(backend, inputs, truth, timings, diagnose, hooks, known_bugs,
+                              digests)
+        changed = digests.changed()
+        if changed:  # judged an error; the backends after it get inputs built afresh
+            result = BackendResult(
+                backend.name, Status.ERROR, result.seconds,
+                f"{WROTE_INPUTS}: {', '.join(changed)} changed while it ran (inputs are "
+                "read-only to backends; the backends after it ran on inputs built afresh)",
+                versions=result.versions, calls=result.calls)
+            if caches is not None:
+                caches.clear()
+            inputs = case_inputs(case, device, None, caches)  # nothing shared with it
+            digests = InputDigests(inputs)
+        results.append(result)
     if caches is not None and any(r.status in FAILING for r in results):
         caches.clear()
     return CaseResult(case, reference.name, results, timings, rows=rows)
+
+
+def _every_error(case: Case, reference: str, backends: Sequence[Backend],
+                 timings: dict[str, float], stage: str) -> CaseResult:
+    """The case's result when the framework failed in ``stage``: every backend's error (the
+    exception being handled), never a lost case."""
+    detail = f"{stage}:\n{_traceback()}"
+    return CaseResult(case, reference, [BackendResult(b.name, Status.ERROR, detail=detail)
+                                        for b in backends], timings)
 
 
 def _calling(hooks: Sequence[RunHooks], case: Case, backend: str, stage: str) -> ExitStack:
@@ -321,7 +368,8 @@ def _orders_built(case: Case, backends: Sequence[Backend], device: torch.device)
 def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
                  timings: dict[str, float],
                  diagnose: bool | Callable[[Case, BackendResult], bool],
-                 hooks: Sequence[RunHooks]) -> BackendResult:
+                 hooks: Sequence[RunHooks], known_bugs: Sequence[Expectation],
+                 digests: InputDigests) -> BackendResult:
     case, device = inputs.case, inputs.device
     availability = backend.availability()
     if not availability.available:
@@ -346,28 +394,32 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
         return BackendResult(backend.name, Status.ERROR,
                              detail=f"building its cache failed:\n{_traceback()}",
                              versions=versions)
-    start = time.perf_counter()
+    digests.take()  # the caches built for it
     inputs.calls = calls = []
-    try:
-        with _calling(hooks, case, backend.name, backend.name):
+    with _calling(hooks, case, backend.name, backend.name):
+        start = time.perf_counter()
+        try:
             actual = backend.run(inputs)
             _sync(device)
-        if isinstance(actual, torch.Tensor):
-            for hook in hooks:
-                hook.produced(case, backend.name, actual)
-    except Exception:  # every failure of a backend is a result, not a crash of the run
-        seconds = time.perf_counter() - start
-        timings[backend.name] = seconds
-        return BackendResult(backend.name, Status.ERROR, seconds, _traceback(),
-                             versions=versions, calls=calls)
+        except Exception:  # every failure of a backend is a result, not a crash of the run
+            seconds = time.perf_counter() - start
+            timings[backend.name] = seconds
+            failed = BackendResult(backend.name, Status.ERROR, seconds, _traceback(),
+                                   versions=versions, calls=calls)
+            failed.known_bug = _known_bug(known_bugs, inputs, failed, None)
+            return failed
+    if isinstance(actual, torch.Tensor):
+        for hook in hooks:
+            hook.produced(case, backend.name, actual)
     seconds = time.perf_counter() - start
     timings[backend.name] = seconds
     start = time.perf_counter()
+    known: KnownBug | None = None
     try:
         tolerance = Tolerance.of(backend.precision(case, device), case)
         empty_rows = backend.empty_row_output(case)
-        comparison = compare(backend.name, actual, truth, tolerance, empty_rows, case,
-                             inputs.rows)
+        comparison, wrong = compare_elements(backend.name, actual, truth, tolerance, empty_rows,
+                                             case, inputs.rows)
     except Exception:  # an output that cannot be compared (wrong shape, not a tensor)
         return BackendResult(backend.name, Status.ERROR, seconds,
                              f"its output could not be compared:\n{_traceback()}",
@@ -375,13 +427,28 @@ def _run_backend(backend: Backend, inputs: RunInputs, truth: Reference,
     else:
         disagrees = BackendResult(backend.name, Status.DISAGREE, seconds, comparison=comparison,
                                   versions=versions)
-        if not comparison.agrees and (diagnose(case, disagrees) if callable(diagnose)
-                                      else diagnose):  # what the worst rows read; never raises
+        if not comparison.agrees:
+            known = _known_bug(known_bugs, inputs, disagrees, wrong)
+            disagrees.known_bug = known
+        if not comparison.agrees and (known is None or known.new_failure) and (
+                diagnose(case, disagrees) if callable(diagnose) else diagnose):
+            # what the worst rows read; never raises
             comparison = dataclasses.replace(comparison, diagnosis=diagnosis_lines(
                 inputs, actual, truth, tuple(loc.row for loc in comparison.worst), tolerance,
                 empty_rows, Rerun(backend.run, tuple(backend.in_page_orders))))
     finally:
         timings["compare"] = timings.get("compare", 0.0) + time.perf_counter() - start
     status = Status.AGREE if comparison.agrees else Status.DISAGREE
-    return BackendResult(backend.name, status, seconds, comparison=comparison, versions=versions,
-                         calls=calls)
+    return BackendResult(backend.name, status, seconds, disagrees.detail, comparison,
+                         versions, calls, known)
+
+
+def _known_bug(known_bugs: Sequence[Expectation], inputs: RunInputs, result: BackendResult,
+               wrong: WrongElements | None) -> KnownBug | None:
+    """:func:`explain` of a failing result; a model that cannot judge the case leaves it a
+    new failure, with the reason in the result's detail."""
+    try:
+        return explain(known_bugs, inputs, result.record(), wrong)
+    except Exception:
+        result.detail = f"judging it against the known bugs failed:\n{_traceback()}"
+        return None

@@ -28,8 +28,8 @@ from difftest.contract.backend import (
     serves_as_reference,
 )
 from difftest.inputs.kv_cache import CachePool
-from difftest.judgement.expectations import Expectation, known_bug
-from difftest.judgement.expectations import load as load_expectations
+from difftest.judgement import expectations as known_bugs
+from difftest.judgement.expectations import Expectation
 from difftest.machine import devices
 from difftest.machine.fingerprint import fingerprint
 from difftest.machine.kernel_compiles import KernelCompiles
@@ -37,7 +37,7 @@ from difftest.reporting.report import backend_entry
 from difftest.results.artifacts import DEFAULT_ROOT, ArtifactStore
 from difftest.results.features import case_features
 from difftest.results.records import CaseRecord
-from difftest.run.runner import BackendResult, CaseResult, Preparation, RunHooks, run_case
+from difftest.run.runner import CaseResult, Preparation, RunHooks, run_case
 
 DEFAULT_REFERENCE = "torch-ref"
 
@@ -88,8 +88,9 @@ class Session:
     _pool: ProcessPoolExecutor | None = field(default=None, repr=False, compare=False)
     # the cache buffers reused from case to case (difftest.inputs.kv_cache.CachePool)
     caches: CachePool = field(default_factory=CachePool, repr=False, compare=False)
-    # the known kernel bugs (difftest.judgement.expectations): their disagreements are not diagnosed
-    expectations: list[Expectation] = field(default_factory=load_expectations, repr=False,
+    # the known kernel bugs (difftest.judgement.expectations) each failing result is judged
+    # against (a disagreement they explain wholly is not diagnosed)
+    expectations: list[Expectation] = field(default_factory=lambda: known_bugs.load(), repr=False,
                                             compare=False)
     # the Triton specializations compiled (or, interpreted, that a GPU would compile) by stage
     compiles: KernelCompiles = field(default_factory=KernelCompiles, repr=False, compare=False)
@@ -153,11 +154,6 @@ class Session:
             case, backends, prepared = queue.popleft()
             yield self._run(case, backends, prepared)
 
-    def _worth_diagnosing(self, case: Case, result: BackendResult) -> bool:
-        """A disagreement is diagnosed unless a known kernel bug explains it (its finding
-        says what it reads; the diagnosis would rerun the kernel for nothing)."""
-        return known_bug(self.expectations, case.to_dict(), result.record()) is None
-
     def pool(self) -> Executor:
         """The session's preparation worker (one process, started on first use; spawned, so
         it inherits no device state)."""
@@ -179,10 +175,15 @@ class Session:
         chosen = self.backends if backends is None else self.chosen(backends)
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
         host = None if prepared is None else prepared.host()
-        result = run_case(case, self.reference, chosen, self.device, host, caches=self.caches,
-                          diagnose=self._worth_diagnosing,
-                          hooks=[StoreHooks(self.store), CompileHooks(self.compiles),
-                                 *self.hooks])
+        try:
+            result = run_case(case, self.reference, chosen, self.device, host,
+                              caches=self.caches,
+                              hooks=[StoreHooks(self.store), CompileHooks(self.compiles),
+                                     *self.hooks],
+                              known_bugs=self.expectations)
+        except OSError:  # the store could not note a call (a full disk): no backend crashed
+            self.store.abandon()
+            raise
         # The case as begin serialised it and the features from generation's rows (or from
         # the worker): neither is built twice (at production shape each cost about 10 to
         # 25 ms per case).

@@ -15,7 +15,8 @@ from typing import Any
 from difftest.case.spec import Case
 from difftest.machine.fingerprint import comparable
 from difftest.primitives.jsonfile import dumps
-from difftest.reporting.report import REPORT_SCHEMA, case_records
+from difftest.primitives.text import printable
+from difftest.reporting.report import REPORT_SCHEMA, backend_twice, case_records
 from difftest.results.records import CaseRecord
 
 # Fields of a case entry that differ between two runs of the same case on the same image.
@@ -84,8 +85,9 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
                   ) -> tuple[dict[str, Any], list[str]]:
     """Join ``(name, report)`` pairs into one report; also returns warnings.
 
-    Refuses (:class:`ShardError`) a case id present twice with different results, and, unless
-    ``force``, reports whose comparable fingerprints, configs or backend entries differ.
+    Refuses (:class:`ShardError`) a case id present twice with different results, a case
+    that lists a backend twice (which result would be the verdict?), and, unless ``force``,
+    reports whose comparable fingerprints, configs or backend entries differ.
     """
     if not reports:
         raise ShardError("nothing to merge")
@@ -112,11 +114,15 @@ def merge_reports(reports: list[tuple[str, dict[str, Any]]], force: bool = False
         if problems and not force:
             raise ShardError(f"{name}: " + "; ".join(problems) + " (--force merges anyway)")
         warnings.extend(f"{name}: {p}" for p in problems)
-        for record in case_records(report):
+        records = case_records(report)
+        twice = backend_twice(records)
+        if twice:
+            raise ShardError(f"{name}: {twice}")
+        for record in records:
             case_id = record.case_id
             if case_id in cases and comparable_case(cases[case_id]) != comparable_case(record):
-                raise ShardError(f"case {case_id} is in {owner[case_id]} and {name} with "
-                                 "different results")
+                raise ShardError(f"case {printable(case_id)} is in {owner[case_id]} and "
+                                 f"{name} with different results")
             cases.setdefault(case_id, record)
             owner.setdefault(case_id, name)
         shard = report["config"].get("shard")

@@ -1,0 +1,182 @@
+"""Which query rows and heads a known kernel bug makes wrong in a case: the bugs' models.
+
+Each model names a finding's mechanism (docs/findings.md) and predicts, from the case, what
+its rows attend and read (:func:`difftest.case.selection.build_rows`,
+:func:`~difftest.case.selection.kernel_sequences`) and where the cache holds NaN (the
+canaries of :mod:`difftest.inputs.kv_cache`: with ``canary``, every slot of an attended
+block that no row reads), the ``[total_q, num_q_heads]`` elements the bug may make wrong.
+A prediction is an allowance, wide where the kernel's choice is not modelled (its tile size,
+which rows of a sequence share a tile); :func:`difftest.judgement.expectations.explain`
+accepts a failure as the bug only where every wrong element lies inside it. ``expectations.json``
+names a model per entry (``"model"``); :data:`MODELS` lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from difftest.case.selection import SparseRow, kernel_sequences
+from difftest.case.spec import Case
+from difftest.contract.backend import RunInputs
+
+SOFTCAP_OVERFLOW = 88.0  # |s / softcap| past which exp(|s / softcap|) overflows float32 (88.72)
+UNIFIED_TILES = (64,)  # unified_attention's tile besides the page, in a batch of sequences
+# of several rows (a decode batch, one row per sequence, loads tiles of a page)
+LOGIT_ELEMENTS = 1 << 24  # gathered K values per chunk of rows in :func:`softcap_overflow`
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """Per attended physical block, the slots some row reads (its window, if any): the slots
+    that keep their data under ``canary``; every other slot of those blocks is NaN then."""
+
+    case: Case
+    rows: Sequence[SparseRow]
+    read: dict[int, np.ndarray]
+
+    @classmethod
+    def of(cls, case: Case, rows: Sequence[SparseRow]) -> _Reads:
+        read: dict[int, np.ndarray] = {}
+        for row in rows:
+            first = _window_start(case, row)
+            start = 0
+            for seg in row.segments:
+                slots = read.setdefault(seg.physical_block, np.zeros(case.block_size, bool))
+                slots[max(first - start, 0): seg.tokens] = True
+                start += seg.tokens
+        return cls(case, rows, read)
+
+    def nan_between(self, row: SparseRow, first: int, last: int) -> bool:
+        """Whether positions ``first..last - 1`` of ``row``'s attend list hold a NaN slot."""
+        if not self.case.canary:
+            return False
+        start = 0
+        for seg in row.segments:
+            lo, hi = max(first - start, 0), min(last - start, seg.tokens)
+            if lo < hi and not self.read[seg.physical_block][lo:hi].all():
+                return True
+            start += seg.tokens
+        return False
+
+    def nan_in_slots(self, block: int, first: int, last: int) -> bool:
+        """Whether slots ``first..last - 1`` of physical block ``block`` hold a NaN."""
+        return (self.case.canary and first < last
+                and not self.read[block][first:last].all())
+
+
+def _window_start(case: Case, row: SparseRow) -> int:
+    """The first position of ``row``'s attend list that its sliding window reads."""
+    return max(row.context_len - case.sliding_window, 0) if case.sliding_window else 0
+
+
+def _as_heads(case: Case, rows: np.ndarray) -> torch.Tensor:
+    """``[total_q]`` predicted rows as ``[total_q, num_q_heads]`` (every head of a row)."""
+    return torch.from_numpy(rows)[:, None].expand(case.total_q, case.num_q_heads).clone()
+
+
+def _sequences_closed(case: Case, rows: np.ndarray) -> np.ndarray:
+    """``rows`` widened to every row of a kernel sequence of several rows
+    (:func:`kernel_sequences`) that holds a predicted one: the rows of a sequence share the
+    tiles a kernel loads, and which share which is not modelled."""
+    closed = rows.copy()
+    for first, count in kernel_sequences(case):
+        if count > 1 and rows[first: first + count].any():
+            closed[first: first + count] = True
+    return closed
+
+
+def nan_before_window(inputs: RunInputs) -> torch.Tensor:
+    """F28: a kernel that loads every token of a row before its sliding window and weights it
+    by zero: the rows whose tokens before the window include a NaN slot."""
+    case, rows = inputs.case, inputs.rows
+    reads = _Reads.of(case, rows)
+    hit = np.array([bool(case.sliding_window)
+                    and reads.nan_between(row, 0, _window_start(case, row)) for row in rows],
+                   dtype=bool)
+    return _as_heads(case, hit)
+
+
+def nan_in_tile_before_window(inputs: RunInputs) -> torch.Tensor:
+    """F22: a kernel that skips whole tiles before the sliding window but loads the tile
+    holding the window's first token whole: the rows whose tile (of a page; in a batch with a
+    sequence of several rows, also of :data:`UNIFIED_TILES` tokens) holds a NaN slot before
+    the window; every row of a sequence that holds one."""
+    case, rows = inputs.case, inputs.rows
+    reads = _Reads.of(case, rows)
+    hit = np.zeros(case.total_q, dtype=bool)
+    decode = all(count == 1 for _, count in kernel_sequences(case))
+    sizes = (case.page_size,) if decode else (case.page_size, *UNIFIED_TILES)
+    if case.sliding_window:
+        for n, row in enumerate(rows):
+            first = _window_start(case, row)
+            tile = min(first - first % size for size in sizes)
+            hit[n] = first > 0 and reads.nan_between(row, tile, first)
+    return _as_heads(case, _sequences_closed(case, hit))
+
+
+def nan_past_context_in_page(inputs: RunInputs) -> torch.Tensor:
+    """F24: a kernel that loads a row's last page whole: the rows whose last page holds a NaN
+    slot past the row's context; every row of a sequence that holds one."""
+    case, rows = inputs.case, inputs.rows
+    reads = _Reads.of(case, rows)
+    hit = np.zeros(case.total_q, dtype=bool)
+    for n, row in enumerate(rows):
+        if row.segments:
+            last = row.segments[-1]
+            end = -(-last.tokens // case.page_size) * case.page_size
+            hit[n] = reads.nan_in_slots(last.physical_block, last.tokens, end)
+    return _as_heads(case, _sequences_closed(case, hit))
+
+
+def softcap_overflow(inputs: RunInputs) -> torch.Tensor:
+    """F21: ``softcap * tanh(s / softcap)`` computed from ``exp(+-s / softcap)`` in float32,
+    which is ``inf / inf`` once ``|s / softcap|`` passes 88.7: the rows and heads whose
+    logits over the tokens they read (their window) reach :data:`SOFTCAP_OVERFLOW`."""
+    case = inputs.case
+    if not case.softcap:
+        return torch.zeros((case.total_q, case.num_q_heads), dtype=torch.bool)
+    return (largest_logits(inputs) >= SOFTCAP_OVERFLOW * case.softcap).cpu()
+
+
+def largest_logits(inputs: RunInputs) -> torch.Tensor:
+    """``[total_q, num_q_heads]`` float64: each row's and head's largest ``|s|`` (the scaled
+    logit ``softmax_scale * q . k`` before any softcap) over the tokens it reads, 0 for a
+    row that reads none; gathered like the reference, by chunks of rows."""
+    case, data = inputs.case, inputs.data
+    seg = data.segments
+    out = torch.zeros((case.total_q, case.num_q_heads), dtype=torch.float64,
+                      device=data.query.device)
+    length = seg.width * case.block_size
+    if length == 0:
+        return out
+    chunk = max(1, LOGIT_ELEMENTS // (length * case.num_kv_heads * case.head_dim))
+    token = torch.arange(case.block_size, device=seg.slots.device)
+    group = case.queries_per_kv
+    scale = case.softmax_scale * case.k_scale
+    for start in range(0, case.total_q, chunk):
+        rows = slice(start, min(start + chunk, case.total_q))
+        mask = token < seg.tokens[rows, :, None]
+        if case.sliding_window:
+            ordinal = seg.starts[rows, :, None] + token
+            mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
+        keys = data.k_stored[seg.slots[rows]].to(torch.float64)  # [n, width, B, nkv, D]
+        keys = keys.flatten(1, 2)  # [n, L, nkv, D]
+        for g in range(case.num_kv_heads):
+            query = data.query[rows, g * group:(g + 1) * group].to(torch.float64)
+            logits = torch.einsum("rhd,rld->rhl", query, keys[:, :, g]).abs() * scale
+            logits = logits.masked_fill(~mask.flatten(1)[:, None, :], 0.0)
+            out[rows, g * group:(g + 1) * group] = logits.amax(dim=-1)
+    return out
+
+
+Model = Callable[[RunInputs], torch.Tensor]
+MODELS: dict[str, Model] = {
+    "nan_before_window": nan_before_window,
+    "nan_in_tile_before_window": nan_in_tile_before_window,
+    "nan_past_context_in_page": nan_past_context_in_page,
+    "softcap_overflow": softcap_overflow,
+}
