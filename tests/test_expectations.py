@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from difftest.case.selection import kernel_sequences
 from difftest.case.spec import Case
 from difftest.contract.backend import RunInputs
 from difftest.contract.compare import WrongElements
@@ -271,3 +272,18 @@ def test_a_known_bug_is_not_diagnosed(tmp_path: Path, monkeypatch) -> None:
         assert (outcome.known_bug is not None) == bool(known)
         diagnoses.append(outcome.comparison.diagnosis)
     assert not diagnoses[0] and diagnoses[1]
+
+
+def test_the_alibi_model_predicts_every_prefill_row_past_a_sequences_first() -> None:
+    """F39: with sinks and ALiBi, a sequence's rows past its first weight the sink wrongly;
+    a decode row (a sequence of one) and a case without either term are spared."""
+    prefill = Case(num_blocks=8, seq_lens=(300, 40), block_tables=((5, 2, 7), (1,)),
+                   selections=((0, 1, 2),) * 3 + ((0, -1, -1),), query_lens=(3, 1),
+                   num_q_heads=2, sinks=True, alibi=True)
+    sequences = kernel_sequences(prefill)
+    assert sequences == [(0, 3), (3, 1)]
+    predicted = bug_rows.alibi_offset_beside_sinks(RunInputs(prefill, torch.device("cpu")))
+    assert predicted.tolist() == [[False, False], [True, True], [True, True], [False, False]]
+    for off in ({"sinks": False}, {"alibi": False}):
+        spared = RunInputs(prefill.replace(**off), torch.device("cpu"))
+        assert not bug_rows.alibi_offset_beside_sinks(spared).any()

@@ -1,10 +1,9 @@
 """Which query rows and heads a known kernel bug makes wrong in a case: the bugs' models.
 
 Each model names a finding's mechanism (docs/findings.md) and predicts, from the case, what
-its rows attend and read (:func:`difftest.case.selection.build_rows`,
-:func:`~difftest.case.selection.kernel_sequences`) and where the cache holds NaN (the
-canaries of :mod:`difftest.inputs.kv_cache`: with ``canary``, every slot of an attended
-block that no row reads), the ``[total_q, num_q_heads]`` elements the bug may make wrong.
+its rows attend and read (the selection's one rule, :mod:`difftest.case.selection`) and
+where the cache holds NaN (with ``canary``, every slot of an attended block that no row
+reads), the ``[total_q, num_q_heads]`` elements the bug may make wrong.
 A prediction is an allowance, wide where the kernel's choice is not modelled (its tile size,
 which rows of a sequence share a tile); :func:`difftest.judgement.expectations.explain`
 accepts a failure as the bug only where every wrong element lies inside it. ``expectations.json``
@@ -19,7 +18,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from difftest.case.selection import SparseRow, kernel_sequences
+from difftest.case.selection import (
+    Span,
+    SparseRow,
+    before_window,
+    kernel_sequences,
+    last_page_past_context,
+    read_slots,
+    window_start,
+)
 from difftest.case.spec import Case
 from difftest.contract.backend import RunInputs
 
@@ -30,47 +37,30 @@ LOGIT_ELEMENTS = 1 << 24  # gathered K values per chunk of rows in :func:`softca
 
 
 @dataclass(frozen=True)
-class _Reads:
-    """Per attended physical block, the slots some row reads (its window, if any): the slots
-    that keep their data under ``canary``; every other slot of those blocks is NaN then."""
+class _Canaries:
+    """Where a case's cache holds NaN: with ``canary``, every slot of an attended block that
+    no row reads (:func:`~difftest.case.selection.read_slots`)."""
 
     case: Case
-    rows: Sequence[SparseRow]
-    read: dict[int, np.ndarray]
+    read: frozenset[int]
 
     @classmethod
-    def of(cls, case: Case, rows: Sequence[SparseRow]) -> _Reads:
-        read: dict[int, np.ndarray] = {}
-        for row in rows:
-            first = _window_start(case, row)
-            start = 0
-            for seg in row.segments:
-                slots = read.setdefault(seg.physical_block, np.zeros(case.block_size, bool))
-                slots[max(first - start, 0): seg.tokens] = True
-                start += seg.tokens
-        return cls(case, rows, read)
+    def of(cls, case: Case, rows: Sequence[SparseRow]) -> _Canaries:
+        return cls(case, read_slots(case, rows) if case.canary else frozenset())
 
-    def nan_between(self, row: SparseRow, first: int, last: int) -> bool:
+    def in_span(self, span: Span | None) -> bool:
+        """Whether ``span``'s slots hold a NaN."""
+        return (self.case.canary and span is not None
+                and not all(slot in self.read for slot in span.slots(self.case.block_size)))
+
+    def between(self, row: SparseRow, first: int, last: int) -> bool:
         """Whether positions ``first..last - 1`` of ``row``'s attend list hold a NaN slot."""
-        if not self.case.canary:
-            return False
-        start = 0
+        ordinal, hit = 0, False
         for seg in row.segments:
-            lo, hi = max(first - start, 0), min(last - start, seg.tokens)
-            if lo < hi and not self.read[seg.physical_block][lo:hi].all():
-                return True
-            start += seg.tokens
-        return False
-
-    def nan_in_slots(self, block: int, first: int, last: int) -> bool:
-        """Whether slots ``first..last - 1`` of physical block ``block`` hold a NaN."""
-        return (self.case.canary and first < last
-                and not self.read[block][first:last].all())
-
-
-def _window_start(case: Case, row: SparseRow) -> int:
-    """The first position of ``row``'s attend list that its sliding window reads."""
-    return max(row.context_len - case.sliding_window, 0) if case.sliding_window else 0
+            lo, hi = max(first - ordinal, 0), min(last - ordinal, seg.tokens)
+            hit = hit or (lo < hi and self.in_span(Span(seg.block, seg.physical_block, lo, hi)))
+            ordinal += seg.tokens
+        return hit
 
 
 def _as_heads(case: Case, rows: np.ndarray) -> torch.Tensor:
@@ -93,10 +83,9 @@ def nan_before_window(inputs: RunInputs) -> torch.Tensor:
     """F28: a kernel that loads every token of a row before its sliding window and weights it
     by zero: the rows whose tokens before the window include a NaN slot."""
     case, rows = inputs.case, inputs.rows
-    reads = _Reads.of(case, rows)
-    hit = np.array([bool(case.sliding_window)
-                    and reads.nan_between(row, 0, _window_start(case, row)) for row in rows],
-                   dtype=bool)
+    nan = _Canaries.of(case, rows)
+    hit = np.array([any(nan.in_span(span) for span in before_window(case, row))
+                    for row in rows], dtype=bool)
     return _as_heads(case, hit)
 
 
@@ -106,15 +95,14 @@ def nan_in_tile_before_window(inputs: RunInputs) -> torch.Tensor:
     sequence of several rows, also of :data:`UNIFIED_TILES` tokens) holds a NaN slot before
     the window; every row of a sequence that holds one."""
     case, rows = inputs.case, inputs.rows
-    reads = _Reads.of(case, rows)
+    nan = _Canaries.of(case, rows)
     hit = np.zeros(case.total_q, dtype=bool)
     decode = all(count == 1 for _, count in kernel_sequences(case))
     sizes = (case.page_size,) if decode else (case.page_size, *UNIFIED_TILES)
-    if case.sliding_window:
-        for n, row in enumerate(rows):
-            first = _window_start(case, row)
-            tile = min(first - first % size for size in sizes)
-            hit[n] = first > 0 and reads.nan_between(row, tile, first)
+    for n, row in enumerate(rows):
+        first = window_start(row.context_len, case.sliding_window)
+        tile = min(first - first % size for size in sizes)
+        hit[n] = first > 0 and nan.between(row, tile, first)
     return _as_heads(case, _sequences_closed(case, hit))
 
 
@@ -122,14 +110,21 @@ def nan_past_context_in_page(inputs: RunInputs) -> torch.Tensor:
     """F24: a kernel that loads a row's last page whole: the rows whose last page holds a NaN
     slot past the row's context; every row of a sequence that holds one."""
     case, rows = inputs.case, inputs.rows
-    reads = _Reads.of(case, rows)
-    hit = np.zeros(case.total_q, dtype=bool)
-    for n, row in enumerate(rows):
-        if row.segments:
-            last = row.segments[-1]
-            end = -(-last.tokens // case.page_size) * case.page_size
-            hit[n] = reads.nan_in_slots(last.physical_block, last.tokens, end)
+    nan = _Canaries.of(case, rows)
+    hit = np.array([nan.in_span(last_page_past_context(case, row)) for row in rows],
+                   dtype=bool)
     return _as_heads(case, _sequences_closed(case, hit))
+
+
+def alibi_offset_beside_sinks(inputs: RunInputs) -> torch.Tensor:
+    """F39: ALiBi offset from the context's end instead of the query position, which a sink
+    does not forgive: every query row of a kernel sequence past its first."""
+    case = inputs.case
+    hit = np.zeros(case.total_q, dtype=bool)
+    if case.alibi and case.sinks:
+        for first, count in kernel_sequences(case):
+            hit[first + 1: first + count] = True
+    return _as_heads(case, hit)
 
 
 def softcap_overflow(inputs: RunInputs) -> torch.Tensor:
@@ -159,10 +154,7 @@ def largest_logits(inputs: RunInputs) -> torch.Tensor:
     scale = case.softmax_scale * case.k_scale
     for start in range(0, case.total_q, chunk):
         rows = slice(start, min(start + chunk, case.total_q))
-        mask = token < seg.tokens[rows, :, None]
-        if case.sliding_window:
-            ordinal = seg.starts[rows, :, None] + token
-            mask &= ordinal >= seg.context_lens[rows, None, None] - case.sliding_window
+        mask = (token >= seg.first[rows, :, None]) & (token < seg.tokens[rows, :, None])
         keys = data.k_stored[seg.slots[rows]].to(torch.float64)  # [n, width, B, nkv, D]
         keys = keys.flatten(1, 2)  # [n, L, nkv, D]
         for g in range(case.num_kv_heads):
@@ -175,6 +167,7 @@ def largest_logits(inputs: RunInputs) -> torch.Tensor:
 
 Model = Callable[[RunInputs], torch.Tensor]
 MODELS: dict[str, Model] = {
+    "alibi_offset_beside_sinks": alibi_offset_beside_sinks,
     "nan_before_window": nan_before_window,
     "nan_in_tile_before_window": nan_in_tile_before_window,
     "nan_past_context_in_page": nan_past_context_in_page,

@@ -18,6 +18,7 @@ backend would double the device memory a production case needs and cost more tim
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -49,8 +50,8 @@ def shared_tensors(inputs: RunInputs) -> Iterator[tuple[str, torch.Tensor]]:
     yield "the stored K", data.k_stored
     yield "the stored V", data.v_stored
     seg = data.segments
-    for name in ("slots", "tokens", "starts", "context_lens"):
-        yield f"the segment table's {name}", getattr(seg, name)
+    for column in dataclasses.fields(seg):
+        yield f"the segment table's {column.name}", getattr(seg, column.name)
     yield "the block ids", data.block_ids
     yield "the written token counts", data.written
     table, ctx = inputs.sparse_table
