@@ -97,7 +97,14 @@ def test_the_answered_arch_sets_aiters_fp8_type() -> None:
     assert backend._fp8_type(fn, cpu) == torch.float8_e4m3fn
     pinned = backend.with_options({"arch": "gfx942"})
     assert pinned.name == "aiter-unified[arch=gfx942]"
-    assert "e4m3fnuz on gfx942" in (pinned.unsupported_reason(fn, cpu) or "")
+    assert "gfx942's fp8 is float8_e4m3fnuz" in (pinned.unsupported_reason(fn, cpu) or "")
+    # gfx1201's fp8 is e4m3fn; the wheel's types.py answers e4m3fnuz for every arch but
+    # gfx950: the loaded release refuses the case, generation (every release) does not
+    rdna = backend.with_options({"arch": "gfx1201"})
+    assert rdna.unsupported_in_every_release(fn, cpu) is None
+    if backend.source is not None and backend.source.origin == "wheel":
+        assert "fp8 type on gfx1201 is torch.float8_e4m3fnuz" in str(
+            rdna.unsupported_reason(fn, cpu))
 
 
 @needs_aiter
@@ -127,12 +134,16 @@ def test_a_bad_source_is_an_error_naming_where_it_looked(tmp_path: Path, monkeyp
     monkeypatch.setenv("DIFFTEST_AITER_ROOT", str(tmp_path))
     with pytest.raises(SourceError, match=r"aiter=v9\.9\.9: no AITER package .*fetch_aiter"):
         AiterUnified().with_options({"aiter": "v9.9.9"})
-    with pytest.raises(ValueError, match=r"arch='gfx90a' is not one of gfx942, gfx950"):
+    with pytest.raises(ValueError,
+                       match=r"arch='gfx90a' is not one of gfx942, gfx950, gfx1201"):
         AiterUnified().with_options({"arch": "gfx90a"})
     shuffled = AiterUnified(shuffled=True)
     if "shuffled_kv_cache" not in shuffled._kernel_source():
-        reason = shuffled.availability().reason
-        assert "no shuffled_kv_cache (AITER v0.1.16 on)" in reason
+        # a release without the shuffled views: every case unsupported, never a fitted draw
+        assert shuffled.availability().available
+        reason = shuffled.unsupported_reason(CORPUS["lbhnc-128-blocks-2048-2040-page-2039"],
+                                             torch.device("cpu"))
+        assert "no shuffled_kv_cache (AITER v0.1.16 on)" in str(reason)
 
 
 @on_cpu

@@ -267,3 +267,15 @@ def test_a_partial_report_fails(tmp_path, capsys, baseline, side) -> None:
     code, out = _gate(tmp_path, capsys, *pair)
     assert code == 1
     assert f"FAIL the {side} is a partial report: its run was interrupted by SIGINT" in out
+
+
+def test_a_case_the_candidates_release_newly_supports_passes_unless_it_fails(
+        tmp_path, capsys, baseline) -> None:
+    older = copy.deepcopy(baseline)
+    _result(older).update(status="unsupported", comparison=None)
+    code, out = _gate(tmp_path, capsys, older, baseline)
+    assert code == 0 and "newly supported" in out, out
+    failing = copy.deepcopy(baseline)
+    _result(failing)["status"] = "disagree"
+    code, out = _gate(tmp_path, capsys, older, failing)
+    assert code == 1 and "FAIL newly supported, disagree" in out, out

@@ -122,6 +122,7 @@ class TritonUnifiedAttention:
     """Adapter from a case to ``vllm.v1.attention.ops.triton_unified_attention``."""
 
     in_page_orders = ("plain",)
+    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, allow_interpreter_bf16: bool = False, vllm: str | None = None,
                  allow_interpreter_fp8_query: bool = False, arch: str | None = None) -> None:
@@ -153,10 +154,9 @@ class TritonUnifiedAttention:
             return Availability(False, lacks)
         return triton_availability()
 
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 and fp8 queries under the interpreter (F1, F12); fp8 queries a release cannot
-        descale; e4m3fnuz on NVIDIA GPUs; on releases before ``kv_quant_mode`` (which cast
-        only fp8 K/V to the query dtype), mixed 16/32-bit dtypes."""
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """bf16 and fp8 queries under the interpreter (F1, F12); e4m3fnuz on NVIDIA GPUs;
+        fp8 queries of another fp8 dtype than the platform's."""
         if device.type == "cpu" and not self.allow_interpreter_bf16 and (
             case.query_dtype == "bfloat16"
         ):
@@ -168,29 +168,30 @@ class TritonUnifiedAttention:
         if case.q_scale:
             if device.type == "cpu" and not self.allow_interpreter_fp8_query:
                 return INTERPRETER_FP8_QUERY_FINDING
-            reason = self._fp8_query_reason(case)
-            if reason:
-                return reason
+            from vllm.platforms import current_platform
+
+            platform = self.arch.fp8 if self.arch else dtype_name(current_platform.fp8_dtype())
+            if case.kv_dtype != platform:
+                return (f"fp8 queries in {case.kv_dtype}: vLLM applies q_descale only to "
+                        f"queries of its platform's fp8 dtype, {platform}")
+        return None
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses in every release (:meth:`unsupported_in_every_release`); then fp8
+        queries on a release without q descale, and on releases before ``kv_quant_mode``
+        (which cast only fp8 K/V to the query dtype) mixed 16/32-bit dtypes."""
+        reason = self.unsupported_in_every_release(case, device)
+        if reason is not None:
+            return reason
+        version = self.release.version if self.release else vllm_version()
+        if case.q_scale and "Q_IS_FP8" not in self._source():
+            return (f"fp8 queries: vLLM {version}'s unified_attention has no q descale "
+                    "(it asserts q_descale is None)")
         if not case.is_fp8 and case.query_dtype != case.kv_dtype and not self._casts_kv():
-            version = self.release.version if self.release else vllm_version()
             return (f"vLLM {version}'s unified_attention has no kv_quant_mode and casts only "
                     f"fp8 K/V to the query dtype: a {case.kv_dtype} cache needs "
                     f"{case.kv_dtype} queries (tl.dot rejects {case.query_dtype} x "
                     f"{case.kv_dtype})")
-        return None
-
-    def _fp8_query_reason(self, case: Case) -> str | None:
-        """Why this release cannot run fp8 queries of ``case``'s fp8 dtype, if it cannot."""
-        version = self.release.version if self.release else vllm_version()
-        if "Q_IS_FP8" not in self._source():
-            return (f"fp8 queries: vLLM {version}'s unified_attention has no q descale "
-                    "(it asserts q_descale is None)")
-        from vllm.platforms import current_platform
-
-        platform = self.arch.fp8 if self.arch else dtype_name(current_platform.fp8_dtype())
-        if case.kv_dtype != platform:
-            return (f"fp8 queries in {case.kv_dtype}: vLLM applies q_descale only to queries "
-                    f"of its platform's fp8 dtype, {platform}")
         return None
 
     def _source(self) -> str:

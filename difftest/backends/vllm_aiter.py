@@ -87,6 +87,7 @@ class VllmAiter(GluonCaller):
 
     real_options = REAL_OPTIONS
     emulated_options = EMULATED_VLLM_OPTIONS
+    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
         options = dict(options or {})

@@ -60,6 +60,7 @@ class VllmDecodeAttention:
     """Adapter from a case to ``vllm.v1.attention.ops.triton_decode_attention``."""
 
     in_page_orders = ("plain",)
+    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, vllm: str | None = None) -> None:
         self.release, self.release_error = chosen_release(vllm)
@@ -79,22 +80,29 @@ class VllmDecodeAttention:
             return Availability(False, lacks)
         return triton_availability()
 
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 queries or a bf16 cache under the interpreter (F1); sliding windows before
-        0.34.0 and fp8 queries (no such parameter); e4m3fnuz on NVIDIA GPUs."""
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """bf16 queries or a bf16 cache under the interpreter (F1); fp8 queries (no such
+        parameter); e4m3fnuz on NVIDIA GPUs."""
         if device.type == "cpu" and "bfloat16" in (case.query_dtype, case.kv_dtype):
             return INTERPRETER_BF16_FINDING  # P @ V is a dot in V's dtype
-        if case.sliding_window and "sliding_window" not in self._parameters():
-            version = self.release.version if self.release else vllm_version()
-            return f"vLLM {version}'s decode_attention_fwd has no sliding window"
         if case.q_scale:
             return "decode_attention_fwd has no query descale (fp8 queries)"
-        if case.is_fp8 and "k_scale" not in self._parameters():
-            version = self.release.version if self.release else vllm_version()
-            return f"vLLM {version}'s decode_attention_fwd has no k_scale/v_scale (fp8 caches)"
         if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
                 devices.gpu_vendor() == "nvidia"):
             return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        return None
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses in every release (:meth:`unsupported_in_every_release`); then
+        sliding windows before 0.34.0 and fp8 caches on releases without ``k_scale``."""
+        reason = self.unsupported_in_every_release(case, device)
+        if reason is not None:
+            return reason
+        version = self.release.version if self.release else vllm_version()
+        if case.sliding_window and "sliding_window" not in self._parameters():
+            return f"vLLM {version}'s decode_attention_fwd has no sliding window"
+        if case.is_fp8 and "k_scale" not in self._parameters():
+            return f"vLLM {version}'s decode_attention_fwd has no k_scale/v_scale (fp8 caches)"
         return None
 
     def precision(self, case: Case, device: torch.device) -> Precision:

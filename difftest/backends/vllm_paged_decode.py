@@ -100,6 +100,8 @@ KV_CACHE_DTYPES = {"float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m
 class VllmPagedDecode:
     """Adapter from a case to vLLM's Triton ``kernel_paged_attention_2d``."""
 
+    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
+
     def __init__(self, vllm: str | None = None, arch: str | None = None) -> None:
         self.release, self.release_error = chosen_release(vllm)
         self.arch = arch_of(arch) if arch else None

@@ -93,6 +93,7 @@ class VllmTritonSparse:
     """Adapter from a case to vLLM's ``minimax_m3_sparse_attn_decode``."""
 
     in_page_orders = ("plain",)
+    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         options = dict(options or {})

@@ -6,10 +6,12 @@ order, the framework's sparse page table, the stored query), then returns its ou
 declared, never guessed: which cases it supports (with the reason when not), the precision of
 its rounding stages, and what it writes on rows that attend nothing.
 
-Two capabilities are optional, each its own protocol so that a call site checks for it by
+Three capabilities are optional, each its own protocol so that a call site checks for it by
 type: a :class:`ReferenceBackend` also computes the float64 :class:`Reference` the others are
-judged against, and a :class:`ConfigurableBackend` builds configured copies of itself from the
-options of a name like ``base[key=value,...]``.
+judged against, a :class:`ConfigurableBackend` builds configured copies of itself from the
+options of a name like ``base[key=value,...]``, and a :class:`ReleaseSelectableBackend`
+(one that runs the kernels of a chosen vLLM or AITER release) says apart what it refuses in
+every release, which is all that generation asks (:func:`refusal_in_every_release`).
 """
 
 from __future__ import annotations
@@ -128,6 +130,45 @@ class ConfigurableBackend(Backend, Protocol):
     def with_options(self, options: Mapping[str, str]) -> Backend:
         """A copy configured by ``options``; raises ``ValueError`` naming a bad one."""
         ...
+
+
+@runtime_checkable
+class ReleaseSelectableBackend(Backend, Protocol):
+    """A backend running the kernels of a chosen release: ``releases`` names the kinds it
+    takes (``"vllm"``: ``vllm=`` or ``$DIFFTEST_VLLM``; ``"aiter"``: ``aiter=`` or
+    ``$DIFFTEST_AITER``), which ``difftest bump`` reads. One whose ``unsupported_reason``
+    depends on the release also says what it refuses in every release; one that only has
+    ``releases`` refuses the same in every release."""
+
+    releases: tuple[str, ...]
+
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses whatever release it loads (the adapter's, the device's and the
+        interpreter's limits), read without loading a release; ``unsupported_reason`` adds
+        what the loaded release lacks."""
+        ...
+
+
+def refusal_in_every_release(backend: Backend, case: Case, device: torch.device
+                             ) -> str | None:
+    """Why ``backend`` refuses ``case`` whatever release it loads: its
+    ``unsupported_in_every_release`` where it has one, else its ``unsupported_reason``.
+
+    Generation asks this, never the loaded release, so a seed's case set (fitted variants
+    included) is the same under every release; a case the loaded release cannot run is then
+    ``unsupported`` on that side of a bump (``difftest gate``: "no longer supported", "newly
+    supported").
+    """
+    every_release = getattr(backend, "unsupported_in_every_release", None)
+    if callable(every_release):
+        return every_release(case, device)
+    return backend.unsupported_reason(case, device)
+
+
+def releases_taken(backend: Backend) -> tuple[str, ...]:
+    """The release kinds ``backend`` runs the chosen release of (its ``releases``; none
+    without)."""
+    return tuple(getattr(backend, "releases", ()) or ())
 
 
 def serves_as_reference(backend: Backend) -> TypeGuard[ReferenceBackend]:

@@ -1,11 +1,14 @@
 """Capability-aware generation: every drawn example runs on every chosen backend.
 
-A backend declares what it runs through ``unsupported_reason(case, device)``. Probing it on a
-one-block case of every ``(kv_layout, query_dtype, kv_dtype)`` tells which dtype combinations
-it refuses outright (bf16 queries under Triton's interpreter, fp32 queries on AITER). The
-strategy draws from every combination *some* chosen backend runs, with the kernel modes
-(softcap, sliding window, ...) if some backend runs them, so no argument a backend accepts is
-held fixed because another backend refuses it.
+A backend declares what it runs through ``unsupported_reason(case, device)``; generation asks
+only what it refuses in every release (:func:`~difftest.contract.backend.
+refusal_in_every_release`), so the vLLM or AITER release a backend loaded never changes a
+seed's cases, fitted variants included: what one release lacks is ``unsupported`` on that
+side. Probing a backend on a one-block case of every ``(kv_layout, query_dtype, kv_dtype)``
+tells which dtype combinations it refuses outright (bf16 queries under Triton's interpreter,
+fp32 queries on AITER). The strategy draws from every combination *some* chosen backend
+runs, with the kernel modes (softcap, sliding window, ...) if some backend runs them, so no
+argument a backend accepts is held fixed because another backend refuses it.
 
 Each drawn example is then **fitted** per backend (:meth:`Capabilities.fit`): a backend that
 refuses the drawn case runs the nearest variant it accepts, the same structure, seed and data
@@ -30,7 +33,7 @@ import torch
 from hypothesis import strategies as st
 
 from difftest.case.spec import KV_LAYOUTS, Case, CaseError
-from difftest.contract.backend import Backend
+from difftest.contract.backend import Backend, refusal_in_every_release
 from difftest.generation.dense import dense_cases
 from difftest.generation.strategies import DtypeCombo, cases, dtype_combos
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
@@ -155,13 +158,13 @@ class Capabilities:
                 skipped.append((backend.name, f"unavailable: {availability.reason}"))
                 continue
             try:
-                answers = [(combo, backend.unsupported_reason(probe_case(combo), device))
-                           for combo in every]
+                answers = [(combo, refusal_in_every_release(backend, probe_case(combo),
+                                                            device)) for combo in every]
                 runs = [combo for combo, reason in answers if reason is None]
                 # it runs the kernel modes if it runs one of them (fitting turns the others
                 # off per example)
-                mode_reasons = [backend.unsupported_reason(
-                    probe_case(runs[0]).replace(**{mode: value}), device)
+                mode_reasons = [refusal_in_every_release(
+                    backend, probe_case(runs[0]).replace(**{mode: value}), device)
                     for mode, value in MODE_PROBE.items()] if runs else []
                 mode_reason = ("; ".join(dict.fromkeys(r for r in mode_reasons if r))
                                if mode_reasons and all(mode_reasons) else None)
@@ -184,18 +187,22 @@ class Capabilities:
         """Whether some backend runs the kernel modes (so the strategy draws them)."""
         return len(self.modes_refused) < len(self.backends)
 
+    def refusal(self, backend: Backend, case: Case) -> str | None:
+        """Why ``backend`` refuses ``case`` in every release (``None``: it runs it)."""
+        return refusal_in_every_release(backend, case, self.device)
+
     def unsupported_by(self, case: Case) -> list[tuple[str, str]]:
         """``(backend, reason)`` for every chosen backend that refuses ``case`` itself."""
         return [(b.name, reason) for b in self.backends
-                if (reason := b.unsupported_reason(case, self.device)) is not None]
+                if (reason := self.refusal(b, case)) is not None]
 
     def _fit_one(self, backend: Backend, case: Case
                  ) -> tuple[Case, tuple[str, ...]] | None:
         """The drawn case or the nearest variant ``backend`` runs; ``None``: none."""
-        if backend.unsupported_reason(case, self.device) is None:
+        if self.refusal(backend, case) is None:
             return case, ()
         for variant, changes in variants(case):
-            if backend.unsupported_reason(variant, self.device) is None:
+            if self.refusal(backend, variant) is None:
                 return variant, changes
         return None
 
@@ -203,7 +210,7 @@ class Capabilities:
         """Whether every backend runs ``case`` or a variant of it; counts the refusals of the
         ones that run neither (the example is then drawn again)."""
         missing = [b for b in self.backends if self._fit_one(b, case) is None]
-        self.redrawn.update((b.name, str(b.unsupported_reason(case, self.device)))
+        self.redrawn.update((b.name, str(self.refusal(b, case)))
                             for b in missing)
         return not missing
 
@@ -221,10 +228,10 @@ class Capabilities:
             found = self._fit_one(backend, case)
             if found is None:
                 unfit = True
-                self.unfit[(backend.name, str(backend.unsupported_reason(case, self.device)))] += 1
+                self.unfit[(backend.name, str(self.refusal(backend, case)))] += 1
                 found = (case, ())
             elif found[1]:
-                reason = str(backend.unsupported_reason(case, self.device))
+                reason = str(self.refusal(backend, case))
                 self.fitted[(backend.name, found[1], reason)] += 1
             variant, changes = found
             groups.setdefault(variant.case_id, (variant, changes, []))[2].append(backend.name)

@@ -19,7 +19,9 @@ Every (case id, backend) of the baseline is judged against the candidate. The ga
 versions (torch, vLLM, AITER, ...) and each backend's own versions, such as the vLLM release
 a ``triton-unified[vllm=0.30.0]`` or ``$DIFFTEST_VLLM`` run loaded its kernel from.
 
-Fixed cases and cases new in the candidate are listed but never fail the gate.
+Fixed cases, cases new in the candidate and cases the candidate newly supports (its release
+runs what the baseline's reported ``unsupported``) are listed but never fail the gate; a
+newly supported case that fails does.
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def _judge(base: ResultRecord | None, cand: ResultRecord | None, growth: float,
         return ("became unavailable" if b is not Status.UNAVAILABLE
                 else "unavailable in the baseline" if c is not Status.UNAVAILABLE
                 else "unavailable in both", True)
+    if b is Status.UNSUPPORTED and c not in NOT_RUN:  # the candidate's release runs it
+        return (f"newly supported, {c.value}" if c in FAILING else "newly supported",
+                c in FAILING)
     if c in FAILING and c != b:
         return (f"new {c.value}", True)
     if c is Status.UNSUPPORTED and b not in NOT_RUN:

@@ -68,6 +68,19 @@ class RunPlan:
             runs = [run for run in runs if shard.contains(run.case)]
         return cls(tuple(runs), tuple(capabilities.lines()), case_set)
 
+    @classmethod
+    def drawn(cls, capabilities: Capabilities, corpus: Iterable[Case], examples: int, seed: int,
+              shard: Shard | None = None) -> RunPlan:
+        """:meth:`build` over ``examples`` generated sparse examples of ``seed`` and the dense
+        family's share of them, drawn over what the backends run in every release."""
+        from difftest.generation.dense import dense_examples
+        from difftest.generation.generate import generated_cases
+
+        return cls.build(capabilities, corpus,
+                         [*generated_cases(examples, seed, capabilities.strategy()),
+                          *generated_cases(dense_examples(examples), seed,
+                                           capabilities.dense_strategy())], shard)
+
     def counts(self) -> dict[str, int]:
         """The whole case set's runs by origin (``corpus``, ``generated``, ``fitted``),
         ``--shard`` or not."""
