@@ -57,13 +57,16 @@ class Precision:
     products; :meth:`difftest.contract.tolerance.Tolerance.of`); ``probabilities``:
     what the softmax weights are rounded to before the PV product; ``output``: the stored
     output dtype; ``rounded_products``: each product ``q_i k_i`` of a logit is rounded to
-    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot).
+    ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot);
+    ``scaled_query_rounded``: q times the softmax scale is rounded to ``operands`` before
+    the products, so a q already of that dtype is rounded too (the scale is inside).
     """
 
     operands: str
     probabilities: str
     output: str
     rounded_products: bool = False
+    scaled_query_rounded: bool = False
 
 
 @dataclass(frozen=True)

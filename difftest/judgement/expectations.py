@@ -5,7 +5,8 @@ the cases that trigger it. ``expectations.json`` beside this module (package dat
 once, keyed by the backends it concerns, the releases that have it (a PEP 440 specifier over
 one ``versions`` entry of the backend, e.g. ``amd-aiter <=0.1.20.post1``) and the condition
 on the case that triggers it (case fields, plus ``nonfinite`` when the symptom is a
-non-finite output, or ``error``, a text the backend's error contains, when it raises).
+non-finite output, ``error``, a text the backend's error contains, when it raises, or
+``crash`` when it takes its process down).
 :func:`judge` sorts a report's failing results into new failures and known bugs, and names
 every expectation whose condition some case of the run met on a matching release without the
 bug showing (like a strict xfail): the bug may be fixed, so the entry must be revisited; an
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from difftest.case.selection import build_rows
+from difftest.case.spec import Case, CaseError
 from difftest.results.records import FAILING, CaseRecord, ResultRecord, Status
 
 FILE_ENV = "DIFFTEST_EXPECTATIONS"
@@ -50,6 +53,7 @@ class Expectation:
     nonfinite: bool = False
     error: str = ""
     strict: bool = True
+    crash: bool = False
 
     def concerns(self, result: ResultRecord) -> bool:
         """Whether ``result`` comes from a backend and release this bug is known in."""
@@ -63,9 +67,14 @@ class Expectation:
 
     def triggered_by(self, case: Mapping[str, Any]) -> bool:
         """Whether the case meets the condition (absent fields read as 0/false; ``topk``
-        and ``max_seqlen_k``, the longest selection and it times the block size, derived)."""
+        and ``max_seqlen_k``, the longest selection and it times the block size,
+        ``k_view_elements``, the elements of the K page view, and ``longest_context``, the
+        most tokens a row attends, derived)."""
         derived = {"topk": max((len(row) for row in case.get("selections", ())), default=0)}
         derived["max_seqlen_k"] = derived["topk"] * case.get("block_size", 128)
+        for name, derive in GEOMETRY.items():
+            if name in self.when:
+                derived[name] = _derived(case, derive)
         for name, test in self.when.items():
             value = case.get(name, derived.get(name, 0))
             if "equals" in test and value != test["equals"]:
@@ -81,12 +90,29 @@ class Expectation:
         ``error`` an error whose detail contains it."""
         if not self.concerns(result) or not self.triggered_by(case.case):
             return False
+        if self.crash:
+            return result.status is Status.CRASH
         if self.error:
             return result.status is Status.ERROR and self.error in result.detail
         if result.status is not Status.DISAGREE:
             return False
         return not self.nonfinite or (result.comparison is not None
                                       and result.comparison.nonfinite > 0)
+
+
+# conditions derived from the case's geometry, computed only for the entries that name them
+GEOMETRY: dict[str, Callable[[Case], int]] = {
+    "k_view_elements": lambda c: c.k_view_pages * c.page_size * c.num_kv_heads * c.head_dim,
+    "longest_context": lambda c: max((r.context_len for r in build_rows(c)), default=0),
+}
+
+
+def _derived(case: Mapping[str, Any], derive: Callable[[Case], int]) -> int:
+    """``derive`` of the case (0 for a dict that is no valid case)."""
+    try:
+        return derive(Case.from_dict(dict(case)))
+    except (CaseError, TypeError, ValueError):
+        return 0
 
 
 def known_bug(expectations: Iterable[Expectation], case: Mapping[str, Any],
@@ -146,7 +172,7 @@ def _expectation(entry: Any, where: str) -> Expectation:
         return Expectation(str(entry["finding"]), str(entry.get("summary", "")),
                            tuple(entry["backends"]), key, SpecifierSet(specifier), when,
                            bool(entry.get("nonfinite", False)), str(entry.get("error", "")),
-                           bool(entry.get("strict", True)))
+                           bool(entry.get("strict", True)), bool(entry.get("crash", False)))
     except KeyError as exc:
         raise ExpectationError(f"{where}: missing field {exc.args[0]!r}") from exc
     except InvalidSpecifier as exc:
