@@ -38,6 +38,7 @@ from difftest.results.records import FAILING, NOT_RUN, CaseRecord, ResultRecord,
 
 DEFAULT_MAX_RATIO_GROWTH = 2.0
 DEFAULT_RATIO_FLOOR = 0.5
+HUNKS_SHOWN = 5  # unreached hunks listed per changed file (all with --all)
 
 
 @dataclass(frozen=True)
@@ -190,12 +191,13 @@ def environment_changes(baseline: dict[str, Any], candidate: dict[str, Any]) -> 
     return lines
 
 
-def reach_lines(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+def reach_lines(baseline: dict[str, Any], candidate: dict[str, Any],
+                max_hunks: int | None = None) -> list[str]:
     """Which changed lines of the kernel trees the candidate's run executed
     (:func:`difftest.results.reach.reach_lines`): a passing gate over unreached code says so."""
     from difftest.results.reach import reach_lines as lines
 
-    return lines(baseline, candidate)
+    return lines(baseline, candidate, max_hunks)
 
 
 def _fmt_ratio(ratio: float | None) -> str:
@@ -226,3 +228,23 @@ def format_result(result: GateResult, show_all: bool = False) -> str:
     else:
         lines.append(f"GATE PASSED: no regression; {tail}")
     return "\n".join(lines)
+
+
+def gate_lines(baseline: dict[str, Any], candidate: dict[str, Any], baseline_path: str,
+               candidate_path: str, max_ratio_growth: float = DEFAULT_MAX_RATIO_GROWTH,
+               ratio_floor: float = DEFAULT_RATIO_FLOOR, show_all: bool = False
+               ) -> tuple[list[str], GateResult]:
+    """What ``difftest gate`` prints, its verdict line last: the environment changes, the
+    reach of the changed code, the changes of device code compiled without running
+    (:func:`difftest.results.reach.device_code_lines`) and the table (``show_all``: every
+    row and every unreached hunk, else the changed rows and :data:`HUNKS_SHOWN` hunks of a
+    file); and the result."""
+    from difftest.results.reach import device_code_lines
+
+    changes = environment_changes(baseline, candidate)
+    lines = [f"baseline {baseline_path} vs candidate {candidate_path}",
+             "environment changes:" if changes else "environment: identical versions",
+             *changes, *reach_lines(baseline, candidate, None if show_all else HUNKS_SHOWN),
+             *device_code_lines(baseline, candidate, candidate_path)]
+    result = gate(baseline, candidate, max_ratio_growth, ratio_floor)
+    return [*lines, format_result(result, show_all)], result
