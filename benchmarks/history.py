@@ -8,9 +8,14 @@ Each pair is a release with a known bug (:data:`KNOWN_BUGS`) and the release tha
 as backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
 (:mod:`difftest.backends.vllm_release` resolves versions under ``$DIFFTEST_VLLM_ROOT``) and
 ``aiter-unified[aiter=<tag>]`` for AITER's (:mod:`difftest.backends.aiter_triton`, under
-``$DIFFTEST_AITER_ROOT``). The missing ones are fetched first (PyPI for vLLM,
-``scripts/fetch_aiter.sh`` for AITER tags), and where that fails the error says what to run
-elsewhere. Per pair the cases are exactly the ones ``difftest run --no-corpus --backends
+``$DIFFTEST_AITER_ROOT``). The missing vLLM releases are fetched first (PyPI), and where that
+fails the error says what to run elsewhere. An AITER pair runs as ``difftest bump aiter
+BUGGY FIXED --backends aiter-unified --no-corpus --examples N`` (:func:`bump_pair`: the bump
+fetches the tags from ``$DIFFTEST_AITER_REPO``): the bug is found at the first example where
+the buggy release fails as the bug does and the fixed release agrees, every other failure is
+listed with the known bugs of its release whose error or trigger it meets (a bump is not
+ablated or shrunk), and the bump's verdict line is printed. The rest of this describes the
+vLLM pairs. Per pair the cases are exactly the ones ``difftest run --no-corpus --backends
 <buggy> --examples N --seed S`` draws: N of the sparse family, then N/5 dense ones (the
 capability-aware default strategies, ``Capabilities.probe([buggy], device)``, through
 :func:`difftest.generation.generate.generated_cases`), drawn once in the main process (the ids'
@@ -57,12 +62,12 @@ import argparse
 import concurrent.futures
 import hashlib
 import multiprocessing
-import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +85,7 @@ from difftest.case.spec import MODE_DEFAULTS, Case, CaseError
 from difftest.contract.backend import Backend, RunInputs
 from difftest.machine import devices
 from difftest.primitives.jsonfile import write_json
+from difftest.reporting.report import read_report
 from difftest.run.runner import FAILING, CaseResult, Status, run_case
 
 CONTROL = "triton-unified"  # the venv's vLLM (0.33.0)
@@ -751,46 +757,97 @@ def _shrink(strategy: st.SearchStrategy[Case], examples: int, seed: int,
 
 
 # ----- the main process ----------------------------------------------------------------------
-FETCH_AITER = Path(__file__).resolve().parent.parent / "scripts" / "fetch_aiter.sh"
+def release_parts(name: str) -> tuple[str, str]:
+    """``aiter-unified[aiter=v0.1.11]`` -> ``("aiter-unified", "v0.1.11")``."""
+    base, _, option = name.partition("[")
+    return base, option.rstrip("]").partition("=")[2]
 
 
-class AiterFetchError(RuntimeError):
-    """An AITER tree an ``aiter=`` option names is missing and could not be fetched."""
+def _outcome_failures(report: dict[str, Any], name: str, skip: str = "") -> list[Failure]:
+    """Every failing result of ``report`` but case ``skip``'s, with the known bugs of its
+    release whose error it raised or (for a bug of a kernel mode) whose trigger it meets: a
+    bump is not ablated."""
+    version = report["backends"][name.partition("[")[0]]["versions"].get("amd-aiter", "?")
+    release = f"{name.partition('[')[0]}@{version}"
+    failures = []
+    for number, entry in enumerate(report["cases"], 1):
+        case = Case.from_dict(entry["case"])
+        for result in entry["results"]:
+            if result["status"] not in FAILED or entry["case_id"] == skip:
+                continue
+            detail = (result.get("detail") or "").strip()
+            bugs = [b.name for b in KNOWN_BUGS
+                    if b.raised_by(release, case, result["status"], detail)
+                    or (not b.error and b.explains(release, case))]
+            raised = next((b.error for b in KNOWN_BUGS if b.name in bugs and b.error), "")
+            failures.append(Failure(entry["case_id"], number, name, result["status"],
+                                    detail.splitlines()[-1] if detail else "",
+                                    Attribution(bugs=bugs, error=raised), bugs))
+    return failures
 
 
-def aiter_specs(names: Iterable[str]) -> list[str]:
-    """The ``aiter=`` values of backend names, in order."""
-    return re.findall(r"[\[,]aiter=([^,\]]+)", ",".join(names))
-
-
-def fetch_missing_aiter(specs: Iterable[str]) -> list[str]:
-    """Fetch every AITER tree among ``specs`` (names, not paths) that does not resolve yet,
-    with ``scripts/fetch_aiter.sh`` (a tag from ``$DIFFTEST_AITER_REPO``, default GitHub; a
-    version from PyPI); return the names fetched. :class:`AiterFetchError` says what to run
-    where it fails."""
-    from difftest.backends.aiter_triton import SourceError, resolve, source_root
-
-    fetched = []
-    for spec in dict.fromkeys(specs):
-        if "/" in spec or spec.startswith("."):
-            continue
-        try:
-            resolve(spec)
-            continue
-        except SourceError:
-            pass
-        print(f"fetching AITER {spec} (scripts/fetch_aiter.sh) into {source_root() / spec}",
-              file=sys.stderr)
-        done = subprocess.run(["bash", str(FETCH_AITER), spec], capture_output=True,
-                              text=True, check=False)
-        if done.returncode != 0:
+def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: str,
+              fixed_name: str, args: argparse.Namespace, device: str
+              ) -> tuple[list[PairOutcome], str]:
+    """An AITER pair through ``difftest bump aiter BUGGY FIXED`` (the buggy release's case set
+    drawn as ``difftest run --no-corpus --examples N`` draws it, run again on the fixed
+    release, gated): per bug of ``members``, the first example where the buggy release fails
+    as the bug does and the fixed release agrees, and every other failure; and the bump's
+    verdict line. No shrinking: the bump's reports are the record."""
+    backend, buggy = release_parts(buggy_name)
+    _, fixed = release_parts(fixed_name)
+    with tempfile.TemporaryDirectory() as directory:
+        command = [sys.executable, "-m", "difftest", "bump", "aiter", buggy, fixed,
+                   "--backends", backend, "--no-corpus", f"--examples={args.examples}",
+                   f"--seed={args.seed}", f"--jobs={max(1, args.workers)}",
+                   f"--device={device}", f"--report-dir={directory}"]
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - started
+        if done.returncode not in (0, 1):
             said = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise AiterFetchError(
-                f"aiter={spec}: bash scripts/fetch_aiter.sh {spec} failed ({said}); on a "
-                f"machine with network run it there and copy {source_root() / spec} here, or "
-                "set DIFFTEST_AITER_REPO to a local clone of ROCm/aiter")
-        fetched.append(spec)
-    return fetched
+            raise RuntimeError(f"difftest bump aiter {buggy} {fixed} exited "
+                               f"{done.returncode}: {said}")
+        old, new = (read_report(Path(directory) / f"{side}.json")
+                    for side in ("baseline", "candidate"))
+    verdict = (done.stdout.strip().splitlines() or ["(no verdict)"])[-1]
+    sparse = sum(not c["case"].get("dense") for c in old["cases"])
+    versions = {n: f"{backend}@{r['backends'][backend]['versions'].get('amd-aiter')}"
+                for n, r in ((buggy_name, old), (fixed_name, new))}
+    fixed_results = {c["case_id"]: c["results"][0]["status"] for c in new["cases"]}
+    statuses = Counter(fixed_results.values())
+    outcomes = []
+    for target, name in members:
+        outcome = PairOutcome(name, buggy_name, fixed_name, "", sparse=sparse,
+                              dense=len(old["cases"]) - sparse, versions=versions,
+                              cases_hash=ids_hash([Case.from_dict(c["case"])
+                                                   for c in old["cases"]]),
+                              same_case_statuses={fixed_name: dict(statuses)},
+                              profile={"bump wall": seconds})
+        ran = 0
+        for number, entry in enumerate(old["cases"], 1):
+            result = entry["results"][0]
+            ran += result["status"] not in ("unsupported", "unavailable")
+            case, detail = Case.from_dict(entry["case"]), (result.get("detail") or "").strip()
+            shown = result["status"] in FAILED and (
+                target is None or target.raised_by(versions[buggy_name], case,
+                                                   result["status"], detail)
+                or (not target.error and target.explains(versions[buggy_name], case)))
+            if shown and fixed_results.get(entry["case_id"]) == Status.AGREE.value:
+                error = target.error if target is not None else ""
+                outcome.found, outcome.status, outcome.examples, outcome.ran = (
+                    True, result["status"], number, ran)
+                outcome.seconds, outcome.first_case = seconds, entry["case"]
+                outcome.first_detail = detail.splitlines()[-1] if detail else ""
+                outcome.attribution = Attribution(bugs=[name], error=error)
+                outcome.how = ("it fails as the bug does on a case that meets its trigger and "
+                               "the fixed release agrees there (difftest bump: fixed)")
+                break
+        first = outcome.first_case["id"] if outcome.first_case else ""
+        outcome.failures = (_outcome_failures(old, buggy_name, first)
+                            + _outcome_failures(new, fixed_name))
+        outcomes.append(outcome)
+    return outcomes, verdict
 
 
 def example_label(number: int, sparse: int) -> str:
@@ -878,13 +935,15 @@ def summary(outcomes: list[PairOutcome], swept: dict[str, dict[str, int]],
             lines.append(f"    ablation: {describe_attribution(o.attribution)}")
             lines.append(f"    verdict: {o.name} shown: {o.how}")
             bound = f", stopped by the {o.shrink_stopped} bound" if o.shrink_stopped else ""
-            shrunk_id = o.shrunk_case["id"] if o.shrunk_case else "-"
-            lines.append(f"  shrunk in {o.shrink_runs} runs, {o.shrink_seconds:.1f} s{bound} "
-                         f"({o.replay_misses} replay misses) to {shrunk_id}: "
-                         f"{describe(o.shrunk_case)}")
-            lines.append(f"    on the shrunk case: {o.shrunk_statuses}; {o.buggy}: "
-                         f"{o.shrunk_detail}")
-            lines.append(f"    ablation: {describe_attribution(o.shrunk_attribution)}")
+            if o.shrunk_case is None:  # an AITER pair: the bump's reports are the record
+                lines.append("  not shrunk: run through difftest bump")
+            else:
+                lines.append(f"  shrunk in {o.shrink_runs} runs, {o.shrink_seconds:.1f} s"
+                             f"{bound} ({o.replay_misses} replay misses) to "
+                             f"{o.shrunk_case['id']}: {describe(o.shrunk_case)}")
+                lines.append(f"    on the shrunk case: {o.shrunk_statuses}; {o.buggy}: "
+                             f"{o.shrunk_detail}")
+                lines.append(f"    ablation: {describe_attribution(o.shrunk_attribution)}")
         else:
             lines.append(f"  NOT FOUND in {o.ran} examples the buggy release ran")
         lines.append(f"  other failures: {len(o.failures)}")
@@ -948,16 +1007,31 @@ def main(argv: list[str] | None = None) -> int:
         (b, b.name, b.release_name(b.buggy), b.release_name(b.fixed),
          args.control if args.control is not None else b.control)
         for b in KNOWN_BUGS if b.fixed and (not args.bug or b.name in args.bug)]
-    try:  # the releases the pairs name, fetched where missing
+    try:  # the vLLM releases the pairs name, fetched where missing (a bump fetches AITER's)
         fetch_missing(release_specs([n for _, _, *names in pairs for n in names]))
-        fetch_missing_aiter(aiter_specs([n for _, _, *names in pairs for n in names]))
-    except (ReleaseError, AiterFetchError) as exc:
+    except ReleaseError as exc:
         print(f"history: {exc}", file=sys.stderr)
         return 2
-    # bugs of one (buggy, fixed, control) triple share its cases, its hunt and its runs
+    # bugs of one (buggy, fixed, control) triple share its cases, its hunt and its runs; an
+    # AITER pair runs as `difftest bump aiter BUGGY FIXED`
     groups: dict[tuple[str, str, str], list[tuple[HistoricalBug | None, str]]] = {}
+    bumps: dict[tuple[str, str], list[tuple[HistoricalBug | None, str]]] = {}
     for target, name, *names in pairs:
-        groups.setdefault((names[0], names[1], names[2]), []).append((target, name))
+        if "[aiter=" in names[0] and "[aiter=" in names[1]:
+            bumps.setdefault((names[0], names[1]), []).append((target, name))
+        else:
+            groups.setdefault((names[0], names[1], names[2]), []).append((target, name))
+    bumped: list[PairOutcome] = []
+    verdicts = []
+    for (buggy_name, fixed_name), members in bumps.items():
+        try:
+            found, verdict = bump_pair(members, buggy_name, fixed_name, args, device_type)
+        except RuntimeError as exc:
+            print(f"history: {exc}", file=sys.stderr)
+            return 2
+        bumped += found
+        verdicts.append(f"difftest bump aiter {release_parts(buggy_name)[1]} "
+                        f"{release_parts(fixed_name)[1]}: {verdict}")
     outcomes: list[tuple[int, PairOutcome]] = []
     hunts, agrees, draw_seconds = [], [], 0.0
     for group, ((buggy_name, fixed_name, control_name), members) in enumerate(groups.items()):
@@ -1006,12 +1080,14 @@ def main(argv: list[str] | None = None) -> int:
         o.same_case_statuses = _merge_counts(parts)
         o.profile = dict(sum((Counter(r["profile"]) for r in [hunt, *parts]), Counter()))
         o.profile["hunt wall"] = hunt["profile"]["wall"]
-    outcomes_only = [o for _, o in outcomes]
+    outcomes_only = [o for _, o in outcomes] + bumped
     sweep_results = results[len(units):]
     swept = _merge_counts(sweep_results)
     sweep_failures = [f for r in sweep_results for f in r["failures"]]
     total = time.perf_counter() - start
     print(summary(outcomes_only, swept, sweep_failures, len(swept_cases)))
+    for verdict in verdicts:
+        print(verdict)
     print(f"\ndrawing {draw_seconds:.1f} s and set-up {prepared - draw_seconds:.1f} s in the "
           f"main process; {len(units) + len(sweep_units)} units on {max(1, args.workers)} "
           f"worker(s)" + (f", worker start-up {', '.join(f'{s:.1f}' for s in worker_starts)} s"

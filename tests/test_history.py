@@ -15,15 +15,14 @@ import torch
 
 from benchmarks.history import (
     KNOWN_BUGS,
-    AiterFetchError,
-    aiter_specs,
     attribute,
     example_label,
-    fetch_missing_aiter,
     known_bugs,
     release_of,
+    release_parts,
     release_version,
 )
+from difftest.backends.aiter_release import AiterFetchError, fetch_missing
 from difftest.backends.aiter_triton import SourceError
 from difftest.backends.aiter_triton import resolve as resolve_aiter
 from difftest.backends.torch_ref import TorchReference
@@ -108,8 +107,7 @@ def test_window_and_canaries_both_needed_show_the_window_bug() -> None:
 
 def test_example_labels_and_aiter_options() -> None:
     assert example_label(12, 50) == "12" and example_label(54, 50) == "54 (dense 4)"
-    assert aiter_specs(["aiter-unified[aiter=v0.1.11]", "triton-unified[vllm=0.31.0]",
-                        "aiter-unified@shuffled[arch=gfx942,aiter=/a/b]"]) == ["v0.1.11", "/a/b"]
+    assert release_parts("aiter-unified[aiter=v0.1.11]") == ("aiter-unified", "v0.1.11")
 
 
 def _git(*args: str, cwd: Path) -> None:
@@ -121,9 +119,9 @@ def _git(*args: str, cwd: Path) -> None:
 
 def test_a_missing_aiter_tag_is_fetched_or_the_command_named(tmp_path: Path,
                                                              monkeypatch) -> None:
-    """The benchmark fetches a tag it names with ``scripts/fetch_aiter.sh``, from a repository
-    URL as on a clean machine (a shallow fetch of the tag); a tag that cannot be fetched
-    stops it with the command to run elsewhere."""
+    """A bump fetches a tag it names as ``scripts/fetch_aiter.sh`` does, from a repository URL
+    as on a clean machine (a shallow fetch of the tag); a tag that cannot be fetched stops it
+    with the command to run elsewhere."""
     repo = tmp_path / "repo"
     (repo / "aiter" / "ops" / "triton").mkdir(parents=True)
     (repo / "aiter" / "ops" / "triton" / "kernel.py").write_text("X = 1\n")
@@ -135,12 +133,12 @@ def test_a_missing_aiter_tag_is_fetched_or_the_command_named(tmp_path: Path,
     monkeypatch.setenv("DIFFTEST_AITER_REPO", f"file://{repo}")
     with pytest.raises(SourceError):
         resolve_aiter("v9.9.9")
-    assert fetch_missing_aiter(["v9.9.9", "/some/path"]) == ["v9.9.9"]
+    assert fetch_missing(["v9.9.9", "/some/path"]) == ["v9.9.9"]
     assert resolve_aiter("v9.9.9").version == "9.9.9"
-    assert fetch_missing_aiter(["v9.9.9"]) == []  # there already
-    with pytest.raises(AiterFetchError, match=r"aiter=v9\.9\.8: bash scripts/fetch_aiter\.sh "
-                       r"v9\.9\.8 failed .*DIFFTEST_AITER_REPO"):
-        fetch_missing_aiter(["v9.9.8"])
+    assert fetch_missing(["v9.9.9"]) == []  # there already
+    with pytest.raises(AiterFetchError, match=r"aiter=v9\.9\.8: fetching tag v9\.9\.8 of .* "
+                       r"failed .*bash scripts/fetch_aiter\.sh v9\.9\.8 .*DIFFTEST_AITER_REPO"):
+        fetch_missing(["v9.9.8"])
     assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["v9.9.9"]
 
 

@@ -139,8 +139,3 @@ def fetch_missing(specs: Iterable[str]) -> list[str]:
         fetch(spec)
         fetched.append(spec)
     return fetched
-
-
-def aiter_specs(names: Iterable[str]) -> list[str]:
-    """The ``aiter=`` values of backend names, in order."""
-    return re.findall(r"[\[,]aiter=([^,\]]+)", ",".join(names))
