@@ -8,7 +8,7 @@
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI);
 # huge:  caches past int32 offsets (nightly) on AITER's Triton pa_decode: docs/findings.md
-#        F37 says how its int32 page offsets fault interpreted; this is the GPU's symptom.
+#        F36 says how its int32 page offsets fault interpreted; this is the GPU's symptom.
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
