@@ -50,6 +50,7 @@ class ReleaseKind:
 
     name: str
     title: str
+    a_release: str  # "an AITER release", "a vLLM release"
     env: str
     put_in_place: Callable[[str], str]
 
@@ -75,8 +76,8 @@ def _vllm_in_place(spec: str) -> str:
 
 
 KINDS = {kind.name: kind for kind in (
-    ReleaseKind("aiter", "AITER", "DIFFTEST_AITER", _aiter_in_place),
-    ReleaseKind("vllm", "vLLM", "DIFFTEST_VLLM", _vllm_in_place),
+    ReleaseKind("aiter", "AITER", "an AITER release", "DIFFTEST_AITER", _aiter_in_place),
+    ReleaseKind("vllm", "vLLM", "a vLLM release", "DIFFTEST_VLLM", _vllm_in_place),
 )}
 
 
@@ -121,7 +122,7 @@ class Bump:
             else:
                 self.left_out.append(f"{name} ({availability.reason})")
         if not chosen:
-            raise BumpError(f"no backend that takes an {self.kind.title} release runs here: "
+            raise BumpError(f"no backend that takes {self.kind.a_release} runs here: "
                             + "; ".join(self.left_out))
         return chosen
 
@@ -169,7 +170,7 @@ def bump(settings: Bump, print_line: Callable[[str], None] = print) -> int:
     settings.report_dir.mkdir(parents=True, exist_ok=True)
     print_line(f"bump {kind.name} {settings.old} -> {settings.new} on {', '.join(backends)}"
                + ("" if settings.backends is not None
-                  else f" (every backend that takes an {kind.title} release and runs here)"))
+                  else f" (every backend that takes {kind.a_release} and runs here)"))
     for line in settings.left_out:
         print_line(f"  left out: {line}")
     for side, release in (("baseline", settings.old), ("candidate", settings.new)):
