@@ -4,25 +4,27 @@
     python -m benchmarks.history --bug aiter-page-48 --json out.json
     python -m benchmarks.history --pair 'triton-unified[vllm=0.30.0]' 'triton-unified[vllm=0.31.0]'
 
-Each pair is a release with a known bug (:data:`KNOWN_BUGS`) and the release that fixed it,
-as backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
+Each pair is a release with a known bug (:data:`KNOWN_BUGS`) and the release that fixed it, as
+backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
 (:mod:`difftest.backends.vllm_release` resolves versions under ``$DIFFTEST_VLLM_ROOT``) and
 ``aiter-unified[aiter=<tag>]`` for AITER's (:mod:`difftest.backends.aiter_triton`, under
 ``$DIFFTEST_AITER_ROOT``). The missing vLLM releases are fetched first (PyPI), and where that
-fails the error says what to run elsewhere. An AITER pair runs as ``difftest bump aiter
-BUGGY FIXED --backends aiter-unified --no-corpus --examples N`` (:func:`bump_pair`: the bump
-fetches the tags from ``$DIFFTEST_AITER_REPO``): the bug is found at the first example where
-the buggy release fails as the bug does and the fixed release agrees, every other failure is
-listed with the known bugs of its release whose error or trigger it meets (a bump is not
-ablated or shrunk), and the bump's verdict line is printed. The rest of this describes the
-vLLM pairs. Per pair the cases are exactly the ones ``difftest run --no-corpus --backends
-<buggy> --examples N --seed S`` draws: N of the sparse family, then N/5 dense ones (the
-capability-aware default strategies, ``Capabilities.probe([buggy], device)``, through
-:func:`difftest.generation.generate.generated_cases`), drawn once in the main process (the ids'
-hash is reported) and handed to worker processes (``--workers``, default 2), which split the
-work into units: one hunt per (buggy, fixed) pair, shared by the bugs of that pair, and the
-cases on the fixed release and the control (the bug's backend on the environment's release,
-where that release has the fix; none for AITER, whose wheel predates the fixes) in chunks.
+fails the error says what to run elsewhere. An AITER pair runs as ``difftest bump aiter BUGGY
+FIXED --backends aiter-unified --no-corpus --examples N`` (:func:`bump_pair`: the bump fetches
+the tags from ``$DIFFTEST_AITER_REPO``): the bug is found at the first example where the buggy
+release fails as the bug does and the fixed release agrees, every other failure is listed with
+the known bugs of its release whose error or trigger it meets (a bump is not ablated or
+shrunk), and the bump's verdict line is printed. The rest of this describes the vLLM pairs. Per
+pair the cases are exactly the ones ``difftest run --no-corpus --backends <buggy> --examples N
+--seed S`` runs on the buggy release (:func:`run_cases`): N examples of the sparse family, then
+N/5 dense ones (the capability-aware default strategies, drawn over what the backend runs in
+every release), each followed, where an older release of the backend lacks what it needs, by
+its nearest variant every release runs; numbered in that order, drawn once in the main process
+(the ids' hash is reported) and handed to worker processes (``--workers``, default 2), which
+split the work into units: one hunt per (buggy, fixed) pair, shared by the bugs of that pair,
+and the cases on the fixed release and the control (the bug's backend on the environment's
+release, where that release has the fix; none for AITER, whose wheel predates the fixes) in
+chunks.
 
 The hunt runs the buggy release on the cases in order and stops once each of its bugs has a
 first failure that the bug explains. A bug that makes the kernel raise (``error``: F23, F25,
@@ -763,6 +765,16 @@ def release_parts(name: str) -> tuple[str, str]:
     return base, option.rstrip("]").partition("=")[2]
 
 
+def _recorded_detail(result: dict[str, Any]) -> str:
+    """A report result's failure on one line, as :func:`_detail` gives a live one's."""
+    c = result.get("comparison")
+    if c:
+        return (f"{c['mismatched']}/{c['checked']} elements mismatched, {c['nonfinite']} "
+                f"non-finite, max error/tolerance {c['max_ratio']:.3g}")
+    lines = (result.get("detail") or "").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def _outcome_failures(report: dict[str, Any], name: str, skip: str = "") -> list[Failure]:
     """Every failing result of ``report`` but case ``skip``'s, with the known bugs of its
     release whose error it raised or (for a bug of a kernel mode) whose trigger it meets: a
@@ -775,14 +787,13 @@ def _outcome_failures(report: dict[str, Any], name: str, skip: str = "") -> list
         for result in entry["results"]:
             if result["status"] not in FAILED or entry["case_id"] == skip:
                 continue
-            detail = (result.get("detail") or "").strip()
+            detail = _recorded_detail(result)
             bugs = [b.name for b in KNOWN_BUGS
                     if b.raised_by(release, case, result["status"], detail)
                     or (not b.error and b.explains(release, case))]
             raised = next((b.error for b in KNOWN_BUGS if b.name in bugs and b.error), "")
             failures.append(Failure(entry["case_id"], number, name, result["status"],
-                                    detail.splitlines()[-1] if detail else "",
-                                    Attribution(bugs=bugs, error=raised), bugs))
+                                    detail, Attribution(bugs=bugs, error=raised), bugs))
     return failures
 
 
@@ -828,7 +839,7 @@ def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: s
         for number, entry in enumerate(old["cases"], 1):
             result = entry["results"][0]
             ran += result["status"] not in ("unsupported", "unavailable")
-            case, detail = Case.from_dict(entry["case"]), (result.get("detail") or "").strip()
+            case, detail = Case.from_dict(entry["case"]), result.get("detail") or ""
             shown = result["status"] in FAILED and (
                 target is None or target.raised_by(versions[buggy_name], case,
                                                    result["status"], detail)
@@ -838,7 +849,7 @@ def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: s
                 outcome.found, outcome.status, outcome.examples, outcome.ran = (
                     True, result["status"], number, ran)
                 outcome.seconds, outcome.first_case = seconds, entry["case"]
-                outcome.first_detail = detail.splitlines()[-1] if detail else ""
+                outcome.first_detail = _recorded_detail(result)
                 outcome.attribution = Attribution(bugs=[name], error=error)
                 outcome.how = ("it fails as the bug does on a case that meets its trigger and "
                                "the fixed release agrees there (difftest bump: fixed)")
@@ -853,6 +864,18 @@ def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: s
 def example_label(number: int, sparse: int) -> str:
     """``"12"``, or ``"53 (dense 3)"`` past the ``sparse`` cases of a case set."""
     return f"{number} (dense {number - sparse})" if number > sparse else str(number)
+
+
+def run_cases(backend: Backend, device: torch.device, examples: int, seed: int) -> list[Case]:
+    """The cases ``difftest run --no-corpus --backends <backend> --examples N --seed S`` runs
+    on ``backend``, in order: each drawn example, and where an older release of the backend
+    refuses it, the nearest variant every release runs
+    (:meth:`difftest.generation.capabilities.Capabilities.fit`)."""
+    from difftest.generation.capabilities import Capabilities
+    from difftest.run.plan import RunPlan
+
+    plan = RunPlan.drawn(Capabilities.probe([backend], device), [], examples, seed)
+    return [run.case for run in plan.runs]
 
 
 def default_strategy(backend: Backend, device: torch.device,
@@ -998,7 +1021,6 @@ def main(argv: list[str] | None = None) -> int:
         devices.share_cpu_threads(1)
     device = _device()
     from difftest.generation.capabilities import Capabilities
-    from difftest.generation.dense import dense_examples
     from difftest.generation.generate import generated_cases
 
     pairs: list[tuple[HistoricalBug | None, str, str, str, str]] = [
@@ -1038,9 +1060,8 @@ def main(argv: list[str] | None = None) -> int:
         control = _backend(control_name).name if control_name else ""
         drawn_at = time.perf_counter()
         buggy = _backend(buggy_name)
-        sparse = generated_cases(args.examples, args.seed, default_strategy(buggy, device))
-        dense = generated_cases(dense_examples(args.examples), args.seed,
-                                default_strategy(buggy, device, dense=True))
+        ran = run_cases(buggy, device, args.examples, args.seed)
+        sparse, dense = [c for c in ran if not c.dense], [c for c in ran if c.dense]
         draw_seconds += time.perf_counter() - drawn_at
         names = (buggy_name, fixed_name, control) if control else (buggy_name, fixed_name)
         outcomes += [(group, PairOutcome(name, buggy_name, fixed_name, control,

@@ -21,6 +21,7 @@ from benchmarks.history import (
     release_of,
     release_parts,
     release_version,
+    run_cases,
 )
 from difftest.backends.aiter_release import AiterFetchError, fetch_missing
 from difftest.backends.aiter_triton import SourceError
@@ -29,8 +30,7 @@ from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_release import ReleaseError
 from difftest.case.spec import Case
 from difftest.contract.registry import RegistryError, discover, select
-from difftest.generation.capabilities import Capabilities
-from difftest.generation.dense import dense_cases, dense_examples
+from difftest.generation.dense import dense_cases
 from difftest.generation.generate import generated_cases
 from difftest.run.runner import Status, run_case
 
@@ -157,16 +157,15 @@ def _release(bug: object, release: str) -> object:
 @pytest.mark.parametrize("bug", FIXED_BUGS, ids=[b.name for b in FIXED_BUGS])
 def test_the_default_strategies_reach_each_historical_bug_within_50_examples(
         bug, device_name) -> None:
-    """The cases ``difftest run --backends <buggy> --examples 50`` draws (50 sparse, 10
-    dense) hold one that triggers this bug; on the first that only it explains, the buggy
+    """The cases ``difftest run --backends <buggy> --examples 50`` runs on the buggy release
+    (50 sparse and 10 dense examples, and the variants its older releases run) hold one that
+    triggers this bug; on the first that only it explains, the buggy
     release fails as the bug does, and the fixed release and the control agree unless a
     known bug of their own explains the case."""
     device = torch.device(device_name)
     buggy, fixed = _release(bug, bug.buggy), _release(bug, bug.fixed)
     others = [fixed] + ([select(discover(), [bug.control])[0]] if bug.control else [])
-    capabilities = Capabilities.probe([buggy], device)
-    drawn = [*generated_cases(50, 0, capabilities.strategy()),
-             *generated_cases(dense_examples(50), 0, capabilities.dense_strategy())]
+    drawn = run_cases(buggy, device, 50, 0)
     release = release_of(buggy)
     runnable = [c for c in drawn if bug.name in known_bugs(release, c)
                 and buggy.unsupported_reason(c, device) is None]

@@ -177,6 +177,18 @@ class AiterUnified:
                         "for A8W8 with a pre-shuffled cache; these views have 16-token pages")
         return None
 
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What releases before v0.1.12 (the wheel included) lack: the cast of 16/32-bit K/V
+        to the query dtype, and q descale (the shuffled views, v0.1.16 on, have both)."""
+        if self.shuffled:
+            return None
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return ("a 16/32-bit cache of another dtype than the query: releases before "
+                    "v0.1.12 cast only fp8 K/V to the query dtype")
+        if case.q_scale:
+            return "fp8 queries: releases before v0.1.12 assert q_descale is None"
+        return None
+
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """What it refuses in every release (:meth:`unsupported_in_every_release`); then what
         the loaded release lacks: the shuffled views before v0.1.16, fp8 queries before

@@ -176,6 +176,16 @@ class TritonUnifiedAttention:
                         f"queries of its platform's fp8 dtype, {platform}")
         return None
 
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What older releases lack: ``kv_quant_mode`` (they cast only fp8 K/V to the query
+        dtype) and the query descale."""
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return ("a 16/32-bit cache of another dtype than the query: releases without "
+                    "kv_quant_mode cast only fp8 K/V to the query dtype")
+        if case.q_scale:
+            return "fp8 queries: older releases assert q_descale is None"
+        return None
+
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """What it refuses in every release (:meth:`unsupported_in_every_release`); then fp8
         queries on a release without q descale, and on releases before ``kv_quant_mode``

@@ -92,6 +92,15 @@ class VllmDecodeAttention:
             return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
         return None
 
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What older releases lack: the sliding window (before 0.34.0) and fp8 caches
+        (``k_scale``)."""
+        if case.sliding_window:
+            return "releases before 0.34.0 have no sliding window"
+        if case.is_fp8:
+            return "older releases have no k_scale/v_scale (fp8 caches)"
+        return None
+
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """What it refuses in every release (:meth:`unsupported_in_every_release`); then
         sliding windows before 0.34.0 and fp8 caches on releases without ``k_scale``."""

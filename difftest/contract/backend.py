@@ -140,7 +140,8 @@ class ReleaseSelectableBackend(Backend, Protocol):
     """A backend running the kernels of a chosen release: ``releases`` names the kinds it
     takes (``"vllm"``: ``vllm=`` or ``$DIFFTEST_VLLM``; ``"aiter"``: ``aiter=`` or
     ``$DIFFTEST_AITER``), which ``difftest bump`` reads. One whose ``unsupported_reason``
-    depends on the release also says what it refuses in every release; one that only has
+    depends on the release also says what it refuses in every release, and what some older
+    release lacked, so generation fits its examples to those releases too; one that only has
     ``releases`` refuses the same in every release."""
 
     releases: tuple[str, ...]
@@ -149,6 +150,12 @@ class ReleaseSelectableBackend(Backend, Protocol):
         """What it refuses whatever release it loads (the adapter's, the device's and the
         interpreter's limits), read without loading a release; ``unsupported_reason`` adds
         what the loaded release lacks."""
+        ...
+
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What some release it takes refuses beyond that (a cast or a parameter older
+        releases lack), read without loading a release: generation also gives those
+        releases the nearest variant they run."""
         ...
 
 
@@ -166,6 +173,16 @@ def refusal_in_every_release(backend: Backend, case: Case, device: torch.device
     if callable(every_release):
         return every_release(case, device)
     return backend.unsupported_reason(case, device)
+
+
+def refusal_in_some_release(backend: Backend, case: Case, device: torch.device
+                            ) -> str | None:
+    """Why some release ``backend`` takes refuses ``case`` where it knows (its
+    ``unsupported_in_some_release``: what its older releases lacked); ``None`` else.
+    Generation also fits each example to those releases, so an old release runs the
+    example's nearest variant it can instead of reporting the example ``unsupported`` only."""
+    some_release = getattr(backend, "unsupported_in_some_release", None)
+    return some_release(case, device) if callable(some_release) else None
 
 
 def releases_taken(backend: Backend) -> tuple[str, ...]:

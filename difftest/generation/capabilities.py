@@ -11,13 +11,16 @@ runs, with the kernel modes (softcap, sliding window, ...) if some backend runs 
 argument a backend accepts is held fixed because another backend refuses it.
 
 Each drawn example is then **fitted** per backend (:meth:`Capabilities.fit`): a backend that
-refuses the drawn case runs the nearest variant it accepts, the same structure, seed and data
-with the fewest fields changed (another query dtype, another KV dtype, a kernel mode off), so
-the boundary the example carries (the last block, a page id past 2**16, a 1-token tail) is
-tested by every backend. A variant is a case of its own (its own id, on disk before it runs;
-its ``name`` says what it was fitted from). A refusal no variant avoids (a non-canonical
-selection some backend refuses) is met while drawing: the example is drawn again, up to a
-few times, and kept anyway at the end (the backend then reports it ``unsupported``).
+refuses the drawn case runs the nearest variant it accepts, and one whose older releases
+lack what its run needs (``unsupported_in_some_release``: a cast, a parameter) also runs the
+nearest variant every release runs, so an old release still meets the example's boundary.
+A variant has the same structure, seed and data with the fewest fields changed (another query
+dtype, another KV dtype, a kernel mode off), so the boundary the example carries (the last
+block, a page id past 2**16, a 1-token tail) is tested by every backend. A variant is a case of
+its own (its own id, on disk before it runs; its ``name`` says what it was fitted from). A
+refusal no variant avoids (a non-canonical selection some backend refuses) is met while
+drawing: the example is drawn again, up to a few times, and kept anyway at the end (the backend
+then reports it ``unsupported``).
 :meth:`Capabilities.lines` says what was fitted or not drawn, for which backend and why.
 """
 
@@ -33,7 +36,11 @@ import torch
 from hypothesis import strategies as st
 
 from difftest.case.spec import KV_LAYOUTS, Case, CaseError
-from difftest.contract.backend import Backend, refusal_in_every_release
+from difftest.contract.backend import (
+    Backend,
+    refusal_in_every_release,
+    refusal_in_some_release,
+)
 from difftest.generation.dense import dense_cases
 from difftest.generation.strategies import DtypeCombo, cases, dtype_combos
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
@@ -206,6 +213,19 @@ class Capabilities:
                 return variant, changes
         return None
 
+    def _fit_older(self, backend: Backend, case: Case, running: Case
+                   ) -> tuple[Case, tuple[str, ...]] | None:
+        """Where some release ``backend`` takes refuses ``running`` (its run of the drawn
+        ``case``), the nearest variant of ``case`` that every such release runs; ``None``
+        where none refuses it or no variant is left."""
+        if refusal_in_some_release(backend, running, self.device) is None:
+            return None
+        for variant, changes in variants(case):
+            if variant.case_id != running.case_id and self.refusal(backend, variant) is None \
+                    and refusal_in_some_release(backend, variant, self.device) is None:
+                return variant, changes
+        return None
+
     def accept(self, case: Case) -> bool:
         """Whether every backend runs ``case`` or a variant of it; counts the refusals of the
         ones that run neither (the example is then drawn again)."""
@@ -215,11 +235,12 @@ class Capabilities:
         return not missing
 
     def fit(self, case: Case) -> list[Fitted]:
-        """The runs of one drawn example: the drawn case on the backends that run it, and each
-        variant on the backends that run it instead (a backend that runs no variant is listed
-        with the drawn case, where it reports ``unsupported``, and so is every backend the
-        probe left out, which reports itself ``unavailable`` or its error); a run no backend
-        is left for is dropped. Counted for :meth:`lines`."""
+        """The runs of one drawn example: the drawn case on the backends that run it, each
+        variant on the backends that run it instead, and the variants for the releases that
+        refuse a backend's run (:meth:`_fit_older`) on that backend too (a backend that runs
+        no variant is listed with the drawn case, where it reports ``unsupported``, and so is
+        every backend the probe left out, which reports itself ``unavailable`` or its error);
+        a run no backend is left for is dropped. Counted for :meth:`lines`."""
         groups: dict[str, tuple[Case, tuple[str, ...], list[str]]] = {
             case.case_id: (case, (), [name for name, _ in self.skipped])}
         self.examples += 1
@@ -235,6 +256,11 @@ class Capabilities:
                 self.fitted[(backend.name, found[1], reason)] += 1
             variant, changes = found
             groups.setdefault(variant.case_id, (variant, changes, []))[2].append(backend.name)
+            older = self._fit_older(backend, case, variant)
+            if older is not None:  # also the nearest variant every release it takes runs
+                self.fitted[(backend.name, older[1], f"for its releases that refuse it: "
+                             f"{refusal_in_some_release(backend, variant, self.device)}")] += 1
+                groups.setdefault(older[0].case_id, (*older, []))[2].append(backend.name)
         self.examples_unfit += unfit
         out = []
         for variant, changes, names in groups.values():
