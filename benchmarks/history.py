@@ -80,6 +80,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from packaging.version import InvalidVersion, Version
 
+from difftest.backends.aiter_release import AiterFetchError
+from difftest.backends.aiter_release import fetch_missing as fetch_missing_aiter
 from difftest.backends.vllm_paged_decode import loads_unread_slots_outside_the_window
 from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
 from difftest.case.selection import build_rows
@@ -770,41 +772,44 @@ def _recorded_detail(result: dict[str, Any]) -> str:
     c = result.get("comparison")
     if c:
         return (f"{c['mismatched']}/{c['checked']} elements mismatched, {c['nonfinite']} "
-                f"non-finite, max error/tolerance {c['max_ratio']:.3g}")
+                f"non-finite, max error/tolerance {float(c['max_ratio']):.3g}")
     lines = (result.get("detail") or "").strip().splitlines()
     return lines[-1] if lines else ""
 
 
-def _outcome_failures(report: dict[str, Any], name: str, skip: str = "") -> list[Failure]:
-    """Every failing result of ``report`` but case ``skip``'s, with the known bugs of its
-    release whose error it raised or (for a bug of a kernel mode) whose trigger it meets: a
-    bump is not ablated."""
-    version = report["backends"][name.partition("[")[0]]["versions"].get("amd-aiter", "?")
-    release = f"{name.partition('[')[0]}@{version}"
+def _known_in(release: str, case: Case, status: str, detail: str) -> list[str]:
+    """The known bugs of ``release`` whose error a failure raised or (for a bug of a kernel
+    mode) whose trigger its case meets: a bump's failures are not ablated."""
+    return [b.name for b in KNOWN_BUGS if b.raised_by(release, case, status, detail)
+            or (not b.error and b.explains(release, case))]
+
+
+def _outcome_failures(results: dict[str, dict[str, Any]], order: Sequence[Case], name: str,
+                      release: str, skip: str = "") -> list[Failure]:
+    """Every failing result of a bump's report (``results`` by case id) but case ``skip``'s,
+    numbered by ``order``, with the known bugs of its release it shows (:func:`_known_in`)."""
     failures = []
-    for number, entry in enumerate(report["cases"], 1):
-        case = Case.from_dict(entry["case"])
-        for result in entry["results"]:
-            if result["status"] not in FAILED or entry["case_id"] == skip:
-                continue
-            detail = _recorded_detail(result)
-            bugs = [b.name for b in KNOWN_BUGS
-                    if b.raised_by(release, case, result["status"], detail)
-                    or (not b.error and b.explains(release, case))]
-            raised = next((b.error for b in KNOWN_BUGS if b.name in bugs and b.error), "")
-            failures.append(Failure(entry["case_id"], number, name, result["status"],
-                                    detail, Attribution(bugs=bugs, error=raised), bugs))
+    for number, case in enumerate(order, 1):
+        result = results.get(case.case_id)
+        if result is None or result["status"] not in FAILED or case.case_id == skip:
+            continue
+        bugs = _known_in(release, case, result["status"], result.get("detail") or "")
+        raised = next((b.error for b in KNOWN_BUGS if b.name in bugs and b.error), "")
+        failures.append(Failure(case.case_id, number, name, result["status"],
+                                _recorded_detail(result), Attribution(bugs=bugs, error=raised),
+                                bugs))
     return failures
 
 
 def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: str,
-              fixed_name: str, args: argparse.Namespace, device: str
+              fixed_name: str, order: Sequence[Case], args: argparse.Namespace, device: str
               ) -> tuple[list[PairOutcome], str]:
-    """An AITER pair through ``difftest bump aiter BUGGY FIXED`` (the buggy release's case set
-    drawn as ``difftest run --no-corpus --examples N`` draws it, run again on the fixed
-    release, gated): per bug of ``members``, the first example where the buggy release fails
-    as the bug does and the fixed release agrees, and every other failure; and the bump's
-    verdict line. No shrinking: the bump's reports are the record."""
+    """An AITER pair through ``difftest bump aiter BUGGY FIXED``: the cases ``difftest run``
+    runs on the buggy release (``order``, :func:`run_cases`), run again on the fixed release
+    and gated. Per bug of ``members``, the first case where the buggy release fails as the bug
+    does and the fixed release runs it without the bug (it agrees, or fails only as a known
+    bug of its own), and every other failure; and the bump's verdict line. No shrinking: the
+    bump's reports are the record."""
     backend, buggy = release_parts(buggy_name)
     _, fixed = release_parts(fixed_name)
     with tempfile.TemporaryDirectory() as directory:
@@ -822,41 +827,46 @@ def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: s
         old, new = (read_report(Path(directory) / f"{side}.json")
                     for side in ("baseline", "candidate"))
     verdict = (done.stdout.strip().splitlines() or ["(no verdict)"])[-1]
-    sparse = sum(not c["case"].get("dense") for c in old["cases"])
-    versions = {n: f"{backend}@{r['backends'][backend]['versions'].get('amd-aiter')}"
+    releases = {n: f"{backend}@{r['backends'][backend]['versions'].get('amd-aiter')}"
                 for n, r in ((buggy_name, old), (fixed_name, new))}
-    fixed_results = {c["case_id"]: c["results"][0]["status"] for c in new["cases"]}
-    statuses = Counter(fixed_results.values())
+    before, after = ({c["case_id"]: c["results"][0] for c in r["cases"]} for r in (old, new))
+    sparse = sum(not c.dense for c in order)
     outcomes = []
     for target, name in members:
-        outcome = PairOutcome(name, buggy_name, fixed_name, "", sparse=sparse,
-                              dense=len(old["cases"]) - sparse, versions=versions,
-                              cases_hash=ids_hash([Case.from_dict(c["case"])
-                                                   for c in old["cases"]]),
-                              same_case_statuses={fixed_name: dict(statuses)},
+        outcome = PairOutcome(name, buggy_name, fixed_name, "", ids_hash(order), sparse,
+                              len(order) - sparse, releases,
+                              same_case_statuses={fixed_name: dict(Counter(
+                                  r["status"] for r in after.values()))},
                               profile={"bump wall": seconds})
         ran = 0
-        for number, entry in enumerate(old["cases"], 1):
-            result = entry["results"][0]
+        for number, case in enumerate(order, 1):
+            result, fixed_result = before[case.case_id], after[case.case_id]
             ran += result["status"] not in ("unsupported", "unavailable")
-            case, detail = Case.from_dict(entry["case"]), result.get("detail") or ""
+            detail = result.get("detail") or ""
             shown = result["status"] in FAILED and (
-                target is None or target.raised_by(versions[buggy_name], case,
+                target is None or target.raised_by(releases[buggy_name], case,
                                                    result["status"], detail)
-                or (not target.error and target.explains(versions[buggy_name], case)))
-            if shown and fixed_results.get(entry["case_id"]) == Status.AGREE.value:
-                error = target.error if target is not None else ""
+                or (not target.error and target.explains(releases[buggy_name], case)))
+            fixed_known = _known_in(releases[fixed_name], case, fixed_result["status"],
+                                    fixed_result.get("detail") or "")
+            fixed_clean = fixed_result["status"] == Status.AGREE.value or (
+                fixed_result["status"] in FAILED and fixed_known and name not in fixed_known)
+            if shown and fixed_clean:
                 outcome.found, outcome.status, outcome.examples, outcome.ran = (
                     True, result["status"], number, ran)
-                outcome.seconds, outcome.first_case = seconds, entry["case"]
+                outcome.seconds, outcome.first_case = seconds, case.to_dict()
                 outcome.first_detail = _recorded_detail(result)
-                outcome.attribution = Attribution(bugs=[name], error=error)
-                outcome.how = ("it fails as the bug does on a case that meets its trigger and "
-                               "the fixed release agrees there (difftest bump: fixed)")
+                outcome.attribution = Attribution(bugs=[name],
+                                                  error=target.error if target else "")
+                outcome.how = ("it fails as the bug does on a case that meets its trigger, "
+                               f"and the fixed release {fixed_result['status']}s there"
+                               + (f" (its own {', '.join(fixed_known)})" if fixed_known
+                                  and fixed_result["status"] != "agree" else ""))
                 break
         first = outcome.first_case["id"] if outcome.first_case else ""
-        outcome.failures = (_outcome_failures(old, buggy_name, first)
-                            + _outcome_failures(new, fixed_name))
+        outcome.failures = (
+            _outcome_failures(before, order, buggy_name, releases[buggy_name], first)
+            + _outcome_failures(after, order, fixed_name, releases[fixed_name]))
         outcomes.append(outcome)
     return outcomes, verdict
 
@@ -1047,8 +1057,11 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     for (buggy_name, fixed_name), members in bumps.items():
         try:
-            found, verdict = bump_pair(members, buggy_name, fixed_name, args, device_type)
-        except RuntimeError as exc:
+            fetch_missing_aiter([release_parts(n)[1] for n in (buggy_name, fixed_name)])
+            order = run_cases(_backend(buggy_name), device, args.examples, args.seed)
+            found, verdict = bump_pair(members, buggy_name, fixed_name, order, args,
+                                       device_type)
+        except (AiterFetchError, RuntimeError) as exc:
             print(f"history: {exc}", file=sys.stderr)
             return 2
         bumped += found
