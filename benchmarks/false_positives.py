@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import multiprocessing
 import os
@@ -80,8 +81,9 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
     with tempfile.TemporaryDirectory() as artifacts:
         session = Session.create(list(names), device=device, artifacts=artifacts)
         capabilities = Capabilities.probe(session.backends, torch.device(device))
-        strategy = (capabilities.dense_strategy() if family == "dense" else
-                    capabilities.strategy(max_batch=max_batch, max_topk=max_topk))
+        strategy = (capabilities.dense_strategy if family == "dense" else
+                    functools.partial(capabilities.strategy, max_batch=max_batch,
+                                      max_topk=max_topk))
         failures: list[dict[str, Any]] = []
         known: list[dict[str, str]] = []
 
@@ -108,7 +110,7 @@ def run_part(examples: int, seed: int, names: Sequence[str], device: str, max_ba
             for fitted in runs:
                 run(fitted)
         else:
-            _search(profile, examples, seed, strategy, capabilities, run)
+            _search(profile, examples, seed, strategy(), capabilities, run)
             drawn_seconds = 0.0  # drawn between the runs
         return {"records": [r.to_dict() for r in session.records], "failures": failures,
                 "known": known,

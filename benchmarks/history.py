@@ -668,7 +668,7 @@ def hunt_unit(target_names: Sequence[str | None], names: Sequence[str],
         dense = Case.from_dict(entry["first_case"]).dense
         count = len(cases) - sparse if dense else sparse
         shrink_start = time.perf_counter()
-        entry.update(_shrink(default_strategy(runner.backend, _device(), dense), count, seed,
+        entry.update(_shrink(default_strategy(runner.backend, _device(), dense)(), count, seed,
                              dict(judged), runner, targets[name], shrink_runs, shrink_seconds))
         shrunk, runs = _reduce(Case.from_dict(entry["shrunk_case"] or entry["first_case"]),
                                runner, targets[name])
@@ -888,15 +888,15 @@ def run_cases(backend: Backend, device: torch.device, examples: int, seed: int) 
     return [run.case for run in plan.runs]
 
 
-def default_strategy(backend: Backend, device: torch.device,
-                     dense: bool = False) -> st.SearchStrategy[Case]:
+def default_strategy(backend: Backend, device: torch.device, dense: bool = False
+                     ) -> Callable[..., st.SearchStrategy[Case]]:
     """The cases ``difftest run --backends <backend>`` draws: the capability-aware default
     strategy of the sparse or the dense family
-    (:class:`difftest.generation.capabilities.Capabilities`)."""
+    (:class:`difftest.generation.capabilities.Capabilities`), a function of its options."""
     from difftest.generation.capabilities import Capabilities
 
     capabilities = Capabilities.probe([backend], device)
-    return capabilities.dense_strategy() if dense else capabilities.strategy()
+    return capabilities.dense_strategy if dense else capabilities.strategy
 
 
 def ids_hash(cases: Sequence[Case]) -> str:
@@ -1090,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     releases = list(dict.fromkeys(n for _, o in outcomes for n in (o.buggy, o.fixed, o.control)
                                   if n))
     swept_cases = generated_cases(args.sweep, args.seed, Capabilities.probe(
-        [_backend(n) for n in releases], device).strategy()) if args.sweep else []
+        [_backend(n) for n in releases], device).strategy) if args.sweep else []
     sweep_units = [(agree_unit, (releases, part)) for part in
                    chunks(list(enumerate((c.to_dict() for c in swept_cases), 1)), args.chunk)]
     prepared = time.perf_counter() - start

@@ -365,10 +365,11 @@ def stretch_cases(device: torch.device, limits: Limits) -> list[Case]:
         q, kv = supported_dtypes(backend, device)
         queries.update(q)
         kvs.update(kv)
-    strategy = cases(query_dtypes=tuple(q for q in QUERY_DTYPES if q in queries),
-                     kv_dtypes=tuple(k for k in KV_DTYPES if k in kvs),
-                     max_batch=limits.false_positive_batch, max_topk=limits.false_positive_topk)
-    return generated_cases(limits.false_positive_cases, limits.seed, strategy)
+    return generated_cases(limits.false_positive_cases, limits.seed, cases,
+                           query_dtypes=tuple(q for q in QUERY_DTYPES if q in queries),
+                           kv_dtypes=tuple(k for k in KV_DTYPES if k in kvs),
+                           max_batch=limits.false_positive_batch,
+                           max_topk=limits.false_positive_topk)
 
 
 # ----- the whole run --------------------------------------------------------------------------
@@ -534,14 +535,15 @@ def _diagnosis_task(name: str, device: str, examples: int, kills: int,
                     seed: int) -> list[Diagnosed]:
     """Up to ``kills`` disagreements of mutant ``name`` over the first ``examples`` cases
     ``difftest run`` would give its backend, each with its diagnosis's first hypothesis."""
-    from difftest.generation.capabilities import cases_for_backend
+    from difftest.generation.capabilities import Capabilities
     from difftest.generation.generate import generated_cases
 
     mutant = _catalog()[name]
     dev = torch.device(device)
     reference = _reference()
     found: list[Diagnosed] = []
-    for case in generated_cases(examples, seed, cases_for_backend(mutant, dev)):
+    fitted = Capabilities.probe([mutant], dev).fitted_strategy
+    for case in generated_cases(examples, seed, fitted):
         if len(found) >= kills:
             break
         if not mutant.mutation.reachable(case):

@@ -3,6 +3,7 @@
 backends  lists what this machine can run, and why a backend cannot
 run       runs the pinned corpus plus a deterministic generated case set, ends in its verdict
 repro     replays one case from a failure directory or case file, against its recording
+export    writes a failure's kernel call as a script that runs without difftest
 promote   pins a case into the regression corpus
 merge     joins shard reports; gate compares a candidate report with a baseline
 bump      runs an AITER or vLLM bump end to end: both releases, the same cases, the gate
@@ -362,6 +363,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     document = report.to_dict()
     if args.report:
         write_report(args.report, document)
+    if job is None:
+        missing = unavailable_asked(document["backends"], args.backends, args.optional)
+        _write_junit(args.junit, document, missing)
     if interrupted is not None:
         if job is None:
             print(f"difftest run: interrupted by {interrupted.name}: "
@@ -371,9 +375,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         return interrupted.exit_status
     if job is not None:
         return 1 if report.failed else 0
-    missing = unavailable_asked(document["backends"], args.backends, args.optional)
     judgement = _print_closing(document, args.report, args.audit, missing)
     return 1 if report.earlier_crashes or missing or judgement.failed else 0
+
+
+def _write_junit(path: str | None, report: dict[str, Any], missing: Sequence[str] = ()
+                 ) -> None:
+    """Write ``report`` as JUnit XML to ``path`` (``--junit``), when given."""
+    if path:
+        from difftest.reporting.junit import write_junit
+
+        write_junit(path, report, missing)
 
 
 def _check_writable(args: argparse.Namespace) -> None:
@@ -381,8 +393,9 @@ def _check_writable(args: argparse.Namespace) -> None:
     (``OSError`` naming the path: exit 2)."""
     from difftest.primitives.jsonfile import check_writable
 
-    if args.report:
-        check_writable(args.report)
+    for path in (args.report, args.junit):
+        if path:
+            check_writable(path)
     check_writable(args.artifacts, directory=True)
 
 def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
@@ -489,18 +502,20 @@ def _run_jobs(args: argparse.Namespace) -> int:
     if earlier:
         report["earlier_crashes"] = report.get("earlier_crashes", []) + [
             c.to_dict() for c in earlier]
+    missing = unavailable_asked(report["backends"], args.backends, args.optional)
     if outcome.interrupted is not None:
         report["config"]["interrupted"] = {"signal": outcome.interrupted.name,
                                            "in_flight": outcome.in_flight}
         if args.report:
             write_report(args.report, report)
+        _write_junit(args.junit, report, missing)
         print(f"difftest run: interrupted by {outcome.interrupted.name}: "
               f"{len(report['cases'])} finished case(s) in a partial report "
               f"({args.report or 'not written: no --report'})", file=sys.stderr)
         return outcome.interrupted.exit_status
     if args.report:
         write_report(args.report, report)
-    missing = unavailable_asked(report["backends"], args.backends, args.optional)
+    _write_junit(args.junit, report, missing)
     judgement = _print_closing(report, args.report, args.audit, missing)
     return 1 if found or problems or missing or judgement.failed else 0
 
@@ -530,6 +545,25 @@ def cmd_repro(args: argparse.Namespace) -> int:
 
     return replay(Path(args.path), args.backends, args.plugin, _device(args.device),
                   args.reference, args.artifacts, args.report)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a failure's kernel call as a script that needs only torch and the kernel's
+    package."""
+    from difftest.run.export import ExportError, export
+
+    try:
+        exported = export(Path(args.path), Path(args.output) if args.output else None,
+                          args.backend, args.plugin, _device(args.device))
+    except ExportError as exc:
+        print(f"difftest export: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
+    for note in exported.notes:
+        print(f"note: {note}", file=sys.stderr)
+    bug = f" (known bug {exported.known_bug})" if exported.known_bug else ""
+    print(f"wrote {exported.script}" + (f" and {exported.tensors}" if exported.tensors else "")
+          + f": {exported.backend}'s kernel call{bug}; run it with: python {exported.script}")
+    return 0
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -563,6 +597,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     write_report(args.output, merged)
+    _write_junit(args.junit, merged)
     print(summary(merged))
     print(f"merged {len(reports)} reports ({len(merged['cases'])} cases) into {args.output}")
     return 0
@@ -660,6 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record the lines run in the vllm package files (coverage.py), "
                    "for the gate's reach of a bump's changed code")
     p.add_argument("--report", type=_output_file, help="write the JSON report here")
+    p.add_argument("--junit", type=_output_file, metavar="PATH",
+                   help="write JUnit XML here: a testcase per (case, backend), failures with "
+                   "their replay command, unsupported and unavailable skipped with the reason, "
+                   "known bugs skipped as known-bug")
     p.set_defaults(func=cmd_run)
 
     p = command("repro", "replay a failing case on the local backends",
@@ -670,6 +709,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated backends (default: those of the recording)")
     p.add_argument("--report", type=_output_file, help="write the replay as a JSON report here")
     p.set_defaults(func=cmd_repro)
+
+    p = command("export", "write a failure's kernel call as a script that runs without "
+                "difftest (torch and the kernel's package only), for an upstream issue or "
+                "test suite", f"{BACKEND_SYNTAX}\n\n{EXIT_CODES}")
+    p.add_argument("path", help="failure directory (or case JSON, with --backend)")
+    p.add_argument("-o", "--output", type=_output_file,
+                   help="the script's path (default: test_<kernel>_<case id>.py in the "
+                   "failure directory); its tensors go beside it, as .pt, when large")
+    p.add_argument("--backend", metavar="NAME",
+                   help="the backend whose call is exported (default: the one that failed)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE:ATTR|FILE.py",
+                   help="load extra backends (repeatable)")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="where the call is recorded (auto: a GPU if one is visible)")
+    p.set_defaults(func=cmd_export)
 
     p = command("promote", "pin a case into the regression corpus")
     p.add_argument("path", help="artifact directory or case JSON")
@@ -684,6 +738,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to write the merged report")
     p.add_argument("--force", action="store_true",
                    help="merge even when fingerprints, configs or backends differ")
+    p.add_argument("--junit", type=_output_file, metavar="PATH",
+                   help="also write the merged report as JUnit XML here")
     p.set_defaults(func=cmd_merge)
 
     p = command("gate", "fail if CANDIDATE regressed against BASELINE")

@@ -9,6 +9,8 @@ Hypothesis profiles, the run log, crash recovery, the report) when
 * any ``--difftest-*`` option is given, or
 * the project's pytest configuration sets ``difftest = true`` (this repository does, in
   ``pyproject.toml``), or
+* the run collects the installed differential suite (``pytest --pyargs
+  difftest.kernel_tests``: a ROCm runner without a checkout), or
 * a test requests the ``check_case``, ``check_example`` or ``difftest_session`` fixture;
   activated this late, the process neither pins GPUs nor loads a Hypothesis profile, so
   projects that use the fixtures under ``pytest -n`` set ``difftest = true``.
@@ -67,9 +69,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "nightly; 0: none)")
 
 
+SUITE = "difftest.kernel_tests"  # the installed differential suite (a package of tests)
+
+
+def runs_the_suite(config: pytest.Config) -> bool:
+    """Whether the command line names the installed suite (``--pyargs difftest.kernel_tests``,
+    or one of its modules or tests)."""
+    return bool(config.getoption("pyargs", False)) and any(
+        str(arg).split("::")[0] == SUITE or str(arg).startswith(f"{SUITE}.")
+        for arg in config.args)
+
+
 def in_use(config: pytest.Config) -> bool:
-    """Whether this run enabled difftest: a ``--difftest-*`` option or ``difftest = true``."""
-    return bool(config.getini(INI_NAME)) or any(
+    """Whether this run enabled difftest: a ``--difftest-*`` option, ``difftest = true``, or
+    the installed suite named on the command line."""
+    return bool(config.getini(INI_NAME)) or runs_the_suite(config) or any(
         config.getoption(name) is not None for name in OPTIONS)
 
 

@@ -21,12 +21,10 @@ from collections.abc import Callable
 
 import torch
 
+from difftest import Backend, CacheViews, Case, Precision, SparseRow
 from difftest.backends.aiter_gluon import AiterGluon, renumber_pages
 from difftest.backends.triton_unified import TritonUnifiedAttention
-from difftest.case.selection import SparseRow, build_rows
-from difftest.case.spec import Case
-from difftest.contract.backend import Backend, Precision
-from difftest.inputs.kv_cache import CacheViews
+from difftest.case.selection import build_rows
 from mutants.injection import MutantBackend, Mutation, Table
 
 PAGE_ID_MASK_16_BITS = 0xFFFF

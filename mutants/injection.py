@@ -26,9 +26,15 @@ from typing import Any
 
 import torch
 
-from difftest.case.spec import Case
-from difftest.contract.backend import Availability, Backend, EmptyRowOutput, Precision, RunInputs
-from difftest.inputs.kv_cache import CacheViews
+from difftest import (
+    Availability,
+    Backend,
+    CacheViews,
+    Case,
+    EmptyRowOutput,
+    Precision,
+    RunInputs,
+)
 
 Table = tuple[torch.Tensor, torch.Tensor]
 

@@ -3,7 +3,8 @@
 #
 # NAME is a PyPI version of amd-aiter (0.1.7.post2.dev18: the pure-Python wheel, installed
 # --no-deps) or a git tag of an AITER repository (v0.1.16: `git archive TAG aiter`). The
-# repository is $DIFFTEST_AITER_REPO, a local clone (bare or not) or a URL, default
+# repository is $DIFFTEST_AITER_REPO, a local clone (bare or not, read-only and another user's
+# included: CI's shared ../shared/aiter/aiter-tags.git) or a URL, default
 # https://github.com/ROCm/aiter.git (a URL is fetched at depth 1 into a temporary bare repo).
 # DEST defaults to $DIFFTEST_AITER_ROOT/NAME (DIFFTEST_AITER_ROOT defaults to
 # ~/.cache/difftest/aiter, where aiter-unified[aiter=NAME] looks); it then holds aiter/ and
@@ -33,15 +34,18 @@ TEMP_REPO=
 trap 'rm -rf "$DEST.partial" ${TEMP_REPO:+"$TEMP_REPO"}' EXIT
 if [[ $NAME == v* ]]; then
   REPO=${DIFFTEST_AITER_REPO:-https://github.com/ROCm/aiter.git}
+  SAFE=()
   if [ -d "$REPO" ]; then
     GIT_DIR_OF_REPO=$REPO
+    # a shared repository another user owns (CI's read-only trees) is trusted for reading
+    SAFE=(-c "safe.directory=$(cd "$REPO" && pwd)")
   else
     TEMP_REPO=$(mktemp -d)
     GIT_DIR_OF_REPO=$TEMP_REPO
     git init -q --bare "$GIT_DIR_OF_REPO"
     git -C "$GIT_DIR_OF_REPO" fetch -q --depth 1 "$REPO" "refs/tags/$NAME:refs/tags/$NAME"
   fi
-  git -C "$GIT_DIR_OF_REPO" archive "$NAME" aiter | tar -x -C "$DEST.partial"
+  git ${SAFE[@]+"${SAFE[@]}"} -C "$GIT_DIR_OF_REPO" archive "$NAME" aiter | tar -x -C "$DEST.partial"
   echo "${NAME#v}" > "$DEST.partial/difftest-aiter-version"
   WHAT="tag $NAME of $REPO"
 else

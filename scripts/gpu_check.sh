@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|huge|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|suite|gluon|installed|export|huge|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
-#        backend that cannot run on this GPU is --optional and says why in the report);
+#        backend that cannot run on this GPU is --optional and says why in the report), and
+#        the worked plug-in of docs/plugins.md;
+# gluon: ROCm with AITER: the real pa_decode_gluon (aiter-gluon, vllm-aiter) beside the
+#        compiled-only backends on the same cases, so the numerics the CPU judged from the
+#        emulator are the kernel's; finding F31 natively (vllm-aiter on the corpus's report
+#        case, a float16 query on an fp8 cache: the kernel should fail to compile as
+#        vllm-aiter@compiled does);
 # fp:    the false-positive benchmark, sparse and dense families, 2000 examples each;
 # suite: the test suite under `pytest -n 4` (the GPU-only tests run here, not on CI);
+# installed: the installed differential suite, `pytest -n 4 --pyargs difftest.kernel_tests`,
+#        from a directory outside the checkout (one GPU per worker, JUnit and report kept);
+# export: F28's failure recorded natively, exported (`difftest export`), and its script run
+#        natively with `python -S` (no difftest on its path): it must exit 1;
 # huge:  caches past int32 offsets (nightly) on AITER's Triton pa_decode: docs/findings.md
 #        F36 says how its int32 page offsets fault interpreted; this is the GPU's symptom.
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|huge|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|suite|gluon|installed|export|huge|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
@@ -34,14 +44,40 @@ if [ "$part" = run ] || [ "$part" = all ]; then
   step run "$py" -m difftest.cli run --device cuda --examples 100 \
     --backends "$real,$aiter" --optional aiter-unified,aiter-unified@shuffled,aiter-pa-decode \
     --report "$out/run.json"
+  step plugin "$py" -m difftest.cli run --device cuda --examples 100 \
+    --plugin examples/plugins/sdpa_backend.py --backends torch-sdpa --report "$out/plugin.json"
 fi
 if [ "$part" = fp ] || [ "$part" = all ]; then
   step fp "$py" -m benchmarks.false_positives --device cuda --examples 2000 \
     --parts 16 --workers 4 --families sparse,dense --profiles derandomized,dev \
     --json "$out/fp.json"
 fi
+if [ "$part" = gluon ] || [ "$part" = all ]; then
+  gluon=aiter-gluon,vllm-aiter,aiter-gluon@compiled,vllm-aiter@compiled
+  step gluon "$py" -m difftest.cli run --device cuda --examples 40 \
+    --backends "torch-ref,$gluon" --optional "$gluon" --report "$out/gluon.json"
+fi
 if [ "$part" = suite ] || [ "$part" = all ]; then
   step suite "$py" -m pytest -n 4 -q -rs -p no:cacheprovider
+fi
+if [ "$part" = installed ] || [ "$part" = all ]; then
+  mkdir -p "$out/installed"
+  step installed bash -c "cd '$out/installed' && '$py' -m pytest -n 4 -q -rs -p no:cacheprovider \
+    --pyargs difftest.kernel_tests --difftest-search-budget 120 --junitxml suite.xml \
+    --difftest-report report.json"
+fi
+if [ "$part" = export ] || [ "$part" = all ]; then
+  f28=$("$py" -c 'from difftest.case.spec import Case
+case = Case(num_blocks=6, seq_lens=(300, 200), block_tables=((2, 0, 5), (1, 3)),
+            selections=((0, 1, 2), (0, 1, -1)), num_q_heads=16, seed=7, sliding_window=40,
+            canary=True)
+open("'"$out"'/f28.json", "w").write(case.to_json())
+print(case.case_id)')
+  step export-record "$py" -m difftest.cli export "$out/f28.json" --backend vllm-paged-decode \
+    --device cuda -o "$out/export/test_f28.py"
+  site=$("$py" -c 'import sys; print(":".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))')
+  step export-script bash -c "cd '$out/export' && ! PYTHONPATH='$site' '$py' -S test_f28.py --device cuda"
+  echo "export: case $f28" >>"$out/summary.txt"
 fi
 if [ "$part" = huge ] || [ "$part" = all ]; then
   step huge env HYPOTHESIS_PROFILE=nightly "$py" -m pytest -q -rs -p no:cacheprovider \

@@ -4,7 +4,8 @@
 #   bash scripts/setup.sh          the main job's needs (difftest run): torch, triton, vLLM and
 #                                  the small packages they and difftest import
 #   bash scripts/setup.sh --test   those plus the test tools: pytest (required), pytest-xdist,
-#                                  ruff and matplotlib (skipped when offline and missing)
+#                                  ruff, matplotlib and jsonschema (skipped when offline and
+#                                  missing)
 #
 # Every requirement is looked up in the venv's python first and installed only when missing;
 # one summary line says what was reused and what was installed. On ROCm/CUDA runner images
@@ -91,6 +92,7 @@ REQUIREMENTS = [
     ("xdist", "pytest-xdist>=3.5", "test", "optional"),
     ("ruff", "ruff>=0.6", "test", "optional"),
     ("matplotlib", "matplotlib>=3.7", "test", "optional"),
+    ("jsonschema", "jsonschema>=4.18", "test", "optional"),
 ]
 KEPT_EXTRA = ("aiter",)  # reported and pinned when present, never installed
 IGNORED_LOCATION = re.compile(r"WARNING: Location '[^']*' is ignored: it is neither a file nor")

@@ -2,7 +2,7 @@
 tree, its arch branches under emulation, and the device code of kernels compiled for GPUs
 the CPU cannot run.
 
-The planted-change tests copy the Triton ops of AITER v0.1.20.post1 (from
+The planted-change tests copy the ``aiter/`` tree of AITER v0.1.20.post1 (from
 ``$DIFFTEST_AITER_REPO``; skipped with the command otherwise) and plant one change: a
 launcher assertion that refuses batches of more than two rows (the gate fails on the new
 errors, and the reach shows the assertion ran), a no-op statement in a kernel body (it ran,
@@ -51,10 +51,10 @@ ONE_ROW = Case(num_blocks=8, seq_lens=(200,), block_tables=((3, 5),), selections
 
 
 def _copy_tree(destination: Path, plants: dict[str, tuple[str, str]]) -> Path:
-    """AITER v0.1.20.post1's Triton ops under ``destination`` with each ``(old, new)`` of
+    """AITER v0.1.20.post1's ``aiter/`` under ``destination`` with each ``(old, new)`` of
     ``plants`` (by file inside ``aiter/``) replaced once."""
     tag = aiter_tree("v0.1.20.post1")
-    shutil.copytree(tag.package / "ops" / "triton", destination / "aiter" / "ops" / "triton")
+    shutil.copytree(tag.package, destination / "aiter")
     shutil.copy(tag.package.parent / "difftest-aiter-version", destination)
     for relative, (old, new) in plants.items():
         path = destination / "aiter" / relative
@@ -178,7 +178,7 @@ def test_device_code_is_compared_by_kernel_arch_and_specialization() -> None:
 
 GLUON = "ops/triton/gluon/pa_decode_gluon.py"
 LOG2_E = "LOG2_E: gl.constexpr = 1.4426950408889634"  # in the body of each gluon kernel
-QUERY_LENGTH = "    assert query_length <= 4,"  # pa_decode_gluon's launcher
+GROUP_BOUND = "        equivalent_query_group_size <= 64"  # an assertion of pa_decode_gluon
 
 
 def _gluon_reports(plant: tuple[str, str], tmp_path: Path, monkeypatch: Any
@@ -205,7 +205,7 @@ def test_a_planted_change_in_a_gluon_kernel_body_shows_as_changed_device_code(
         tmp_path: Path, monkeypatch: Any) -> None:
     """A constant of the gluon kernels' bodies changed: the launches and the emulated
     numerics agree, and the compiled code of every shape run differs, on each arch."""
-    changed = LOG2_E.replace("1.4426950408889634", "1.44269504")
+    changed = LOG2_E.replace("1.4426950408889634", "1.44")
     for arch, reports in _gluon_reports((LOG2_E, changed), tmp_path, monkeypatch).items():
         assert not gate(*reports).failed
         changes = device_code_changes(*reports)
@@ -217,8 +217,9 @@ def test_a_planted_change_in_a_gluon_kernel_body_shows_as_changed_device_code(
 
 def test_a_planted_gluon_launcher_assertion_fails_the_gate(tmp_path: Path,
                                                             monkeypatch: Any) -> None:
-    """pa_decode_gluon asserting one query token: the corpus's MTP-4 cases now raise."""
-    plant = (QUERY_LENGTH, "    assert query_length <= 1,")
+    """pa_decode_gluon asserting at most 8 query heads per KV head: the corpus's cases of 16
+    now raise."""
+    plant = (GROUP_BOUND, "        equivalent_query_group_size <= 8")
     for reports in _gluon_reports(plant, tmp_path, monkeypatch).values():
         result = gate(*reports)
         assert result.failed and "new error" in {r.verdict for r in result.rows}

@@ -73,8 +73,9 @@ def test_capabilities_are_recognised_by_type(plain_plugin: str) -> None:
 
 def test_a_backend_without_reference_cannot_be_the_reference(tmp_path: Path,
                                                              plain_plugin: str) -> None:
-    with pytest.raises(RegistryError, match=r"'plain' cannot serve as the reference "
-                                            r"\(it has no reference\(\) method\)"):
+    with pytest.raises(RegistryError, match=r"'plain' cannot serve as the reference \(it has "
+                                            r"no reference\(\) and no working_bytes\(\) "
+                                            r"method\)"):
         Session.create([], plugins=[plain_plugin], device="cpu", artifacts=str(tmp_path),
                        reference="plain")
 

@@ -60,7 +60,7 @@ def ran_by(capabilities: Capabilities, examples: list[Case]) -> dict[str, list[C
 
 def test_each_backend_runs_every_example_in_a_variant_it_accepts() -> None:
     capabilities = Capabilities.probe([NO_BF16, NO_FP32], CPU)
-    examples = generated_cases(60, 0, capabilities.strategy(max_batch=2, max_topk=4))
+    examples = generated_cases(60, 0, capabilities.strategy, max_batch=2, max_topk=4)
     ran = ran_by(capabilities, examples)
     assert len(ran["no-bf16"]) == len(ran["no-fp32"]) == 60
     # every query dtype is drawn; each backend sees the two it accepts, none it refuses
@@ -109,7 +109,7 @@ def test_variants_come_fewest_changes_first_and_are_all_valid() -> None:
 
 def test_kernel_modes_are_drawn_if_some_backend_runs_them_and_fitted_off_for_the_rest() -> None:
     capabilities = Capabilities.probe([NO_BF16, NO_MODES], CPU)
-    examples = generated_cases(60, 0, capabilities.strategy(max_batch=2, max_topk=4))
+    examples = generated_cases(60, 0, capabilities.strategy, max_batch=2, max_topk=4)
     ran = ran_by(capabilities, examples)
     assert any(c.kernel_modes for c in ran["no-bf16"])
     assert not any(c.kernel_modes for c in ran["no-modes"])
@@ -117,15 +117,15 @@ def test_kernel_modes_are_drawn_if_some_backend_runs_them_and_fitted_off_for_the
     assert any(line.startswith("fitted for no-modes: ") for line in capabilities.lines())
     only = Capabilities.probe([NO_MODES], CPU)
     assert not any(c.kernel_modes for c in generated_cases(
-        40, 0, only.strategy(max_batch=2, max_topk=4)))
+        40, 0, only.strategy, max_batch=2, max_topk=4))
     assert ("not drawn for no-modes: kernel modes (softcap, sliding_window): no softcap, "
             "no window") in only.lines()
 
 
 def test_an_example_no_variant_fits_is_redrawn_and_said() -> None:
     capabilities = Capabilities.probe([NO_BF16, CANONICAL_ONLY], CPU)
-    examples = generated_cases(60, 0, capabilities.strategy(
-        max_batch=2, max_topk=4, selection_modes=("irregular", "indexer")))
+    examples = generated_cases(60, 0, capabilities.strategy, max_batch=2, max_topk=4,
+                               selection_modes=("irregular", "indexer"))
     assert all(len(capabilities.fit(e)) >= 1 for e in examples)
     lines = capabilities.lines()
     assert any(line.startswith("redrawn ") and "canonical-only runs in no variant: irregular"
@@ -136,7 +136,7 @@ def test_unavailable_backends_are_said_and_the_rest_still_fitted() -> None:
     only_fp32 = Picky("fp32-only", lambda c: c.query_dtype != "float32", "fp32 queries only")
     gone = Picky("gone", lambda c: False, "", available=False)
     capabilities = Capabilities.probe([only_fp32, NO_FP32, gone], CPU)
-    example = generated_cases(1, 0, capabilities.strategy(max_batch=1, max_topk=2))[0]
+    example = generated_cases(1, 0, capabilities.strategy, max_batch=1, max_topk=2)[0]
     runs = capabilities.fit(example)
     assert sorted(n for r in runs for n in r.backends) == ["fp32-only", "gone", "no-fp32"]
     assert {r.case.query_dtype for r in runs if "fp32-only" in r.backends} == {"float32"}
@@ -163,7 +163,7 @@ def test_default_cpu_backends_run_every_example_and_vary_their_dtypes() -> None:
     plain = generated_cases(50, 0)
     assert sum(any(b.unsupported_reason(c, CPU) for b in backends) for c in plain) >= 15
     capabilities = Capabilities.probe(backends, CPU)
-    ran = ran_by(capabilities, generated_cases(50, 0, capabilities.strategy()))
+    ran = ran_by(capabilities, generated_cases(50, 0, capabilities.strategy))
     older = Counter()  # the variants for older releases that lack what a run needs
     for (name, _, reason), count in capabilities.fitted.items():
         older[name] += count * reason.startswith("for its releases that refuse it: ")

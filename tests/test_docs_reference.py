@@ -1,9 +1,10 @@
 """The repository reads as reference: no work journal, no path of one machine.
 
 Every tracked text file is searched for the markers of a journal of who did what when (work
-sessions, helpers, a lead, engineers, agents, "not in git") and for absolute paths outside the
-repository (``/work``, ``/tmp``, ``/home``, ``/root``, ``/Users``). The reference pages name
-what is measured, the command and the machine; history is git's.
+sessions, helpers, a lead, engineers, agents (not Buildkite's ``agents:`` key), "not in git")
+and for absolute paths outside the repository (``/work``, ``/tmp``, ``/home``, ``/root``,
+``/Users``). The reference pages name what is measured, the command and the machine; history
+is git's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 JOURNAL = re.compile(
     r"\bsessions? \d+\b|\bsessions? of 20\d\d|\bhelper [A-Z]\b|\bhelpers'|\bthe lead('s)?\b"
-    r"|\bengineers?\b|\bintegrators?\b|\bagents\b|\bnot in git\b|\bat filing\b"
+    r"|\bengineers?\b|\bintegrators?\b|\bagents\b(?!:)|\bnot in git\b|\bat filing\b"
     r"|\bwork periods?\b", re.IGNORECASE)
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|tmp|home|root|Users)/")
 SELF = Path(__file__).relative_to(ROOT).as_posix()

@@ -19,6 +19,7 @@ from difftest.run.runner import run_case
 from tests.fake_backends import Rounded
 
 CPU = torch.device("cpu")
+REFERENCE = TorchReference()
 
 
 def one_request(num_blocks: int, **changes) -> Case:
@@ -29,11 +30,11 @@ def one_request(num_blocks: int, **changes) -> Case:
 
 def test_the_estimate_counts_each_in_page_order_of_the_layouts_buffer() -> None:
     case = one_request(196608)
-    need = footprint.footprint(case, 2)
+    need = footprint.footprint(case, 2, REFERENCE)
     assert need.cache == 196608 * 2 * 128 * 128 * 2  # LBHNC [n, 2, 128, 128] fp16: 12 GiB
     assert need.orders == 2 and need.total > 2 * need.cache
     assert need.data == 2 * 128 * 128 * (2 + 4)  # one block held: stored K/V and their draws
-    fp8 = footprint.footprint(case.replace(kv_dtype="float8_e4m3fn", k_scale=0.5), 1)
+    fp8 = footprint.footprint(case.replace(kv_dtype="float8_e4m3fn", k_scale=0.5), 1, REFERENCE)
     assert fp8.cache == need.cache // 2
 
 
@@ -41,19 +42,19 @@ def test_the_estimate_counts_each_in_page_order_of_the_layouts_buffer() -> None:
 def test_a_cache_larger_than_the_memory_is_refused_with_the_numbers(num_blocks: int,
                                                                     monkeypatch) -> None:
     monkeypatch.setattr(footprint, "available_bytes", lambda device: (8 << 30, "a test"))
-    reason = refusal(one_request(num_blocks), CPU, ["plain", "shuffled"])
+    reason = refusal(one_request(num_blocks), CPU, ["plain", "shuffled"], REFERENCE)
     assert reason is not None and reason.startswith("case refused before any allocation")
     cache = one_request(num_blocks).layout.raw_bytes(one_request(num_blocks), 2) / GIB
     assert f"cache {cache:.1f} GiB x 2 in-page orders" in reason
     assert "cpu has 8.0 GiB available (a test)" in reason and "num_blocks" in reason
-    assert refusal(one_request(128), CPU, ["plain"]) is None
+    assert refusal(one_request(128), CPU, ["plain"], REFERENCE) is None
 
 
 def test_pooled_buffers_count_as_available(monkeypatch) -> None:
     case = one_request(65536)  # 4 GiB per order
     monkeypatch.setattr(footprint, "available_bytes", lambda device: (1 << 30, "a test"))
-    assert refusal(case, CPU, ["plain"]) is not None
-    assert refusal(case, CPU, ["plain"], reusable=5 << 30) is None
+    assert refusal(case, CPU, ["plain"], REFERENCE) is not None
+    assert refusal(case, CPU, ["plain"], REFERENCE, reusable=5 << 30) is None
 
 
 def huge() -> Case:
@@ -83,4 +84,23 @@ def test_only_the_caches_some_backend_builds_are_counted() -> None:
     needed and the case runs (one block of data)."""
     result = run_case(huge(), TorchReference(), [Rounded()], CPU)
     assert [r.status for r in result.results] == [Status.AGREE]
-    assert footprint.footprint(huge(), 0).total < 1 << 30
+    assert footprint.footprint(huge(), 0, REFERENCE).total < 1 << 30
+
+
+class ScratchHungry(TorchReference):
+    """A reference that states 1 PiB of scratch."""
+
+    name = "scratch-hungry"
+
+    def working_bytes(self, case: Case) -> int:
+        return 1 << 50
+
+
+def test_the_reference_states_its_own_scratch() -> None:
+    """The estimate takes the reference's scratch from the reference itself: a small case is
+    refused under a reference that says it needs 1 PiB, and runs under torch-ref."""
+    case = one_request(128)
+    refused = run_case(case, ScratchHungry(), [Rounded()], CPU).results[0]
+    assert refused.status is Status.UNSUPPORTED and "reference 1048576.0 GiB" in refused.detail
+    assert run_case(case, REFERENCE, [Rounded()], CPU).results[0].status is Status.AGREE
+    assert footprint.footprint(case, 1, REFERENCE).reference == REFERENCE.working_bytes(case)

@@ -248,7 +248,7 @@ def test_geometry_fields_left_at_the_model_keep_the_ids() -> None:
 
 
 def test_dense_family_draws_its_geometry() -> None:
-    cases = generated_cases(60, 0, dense_cases())
+    cases = generated_cases(60, 0, dense_cases)
     assert len(cases) == 60 and all(c.dense for c in cases)
     assert {c.block_size for c in cases} == set(BLOCK_SIZES)
     assert {c.head_dim for c in cases} == set(HEAD_DIMS)
@@ -289,7 +289,7 @@ def test_generated_dense_cases(data: st.DataObject, dense_strategy, check_exampl
 
 
 def test_huge_cases_put_their_last_block_past_int32_offsets() -> None:
-    for case in generated_cases(6, 0, dense_cases(huge=True, kernel_modes=False)):
+    for case in generated_cases(6, 0, dense_cases, huge=True, kernel_modes=False):
         per_block = 2 * case.block_size * case.num_kv_heads * case.head_dim
         assert case.block_tables[0][0] == case.num_blocks - 1
         assert (case.num_blocks - 1) * per_block >= INT32_ELEMENTS
@@ -300,7 +300,7 @@ def test_huge_cases_put_their_last_block_past_int32_offsets() -> None:
 def test_cases_past_int32_offsets(check_example) -> None:
     """Caches past 2**31 elements with the last block attended, on every configured backend;
     where the memory is short each is refused up front with the numbers (then skipped)."""
-    results = [r for case in generated_cases(4, 0, dense_cases(huge=True))
+    results = [r for case in generated_cases(4, 0, dense_cases, huge=True)
                for result in check_example(case) for r in result.results]
     if all(r.detail.startswith("case refused before any allocation") for r in results):
         pytest.skip(results[0].detail)
@@ -309,10 +309,10 @@ def test_cases_past_int32_offsets(check_example) -> None:
 def test_the_sparse_family_reaches_rows_past_2048_tokens_above_top_k_16() -> None:
     """With max_topk 64 the sparse strategy draws top-k 32 and 64, rows past 16 x 128
     tokens; the default (max_topk 16) draws the model's top-k at most."""
-    drawn = generated_cases(40, 0, cases(max_topk=64))
+    drawn = generated_cases(40, 0, cases, max_topk=64)
     long = [c for c in drawn if max(r.context_len for r in build_rows(c)) > 2048]
     assert long and {c.topk for c in long} <= {32, 64}
-    assert max(c.topk for c in generated_cases(40, 0, cases())) == 16
+    assert max(c.topk for c in generated_cases(40, 0, cases)) == 16
 
 
 def test_triton_unified_agrees_on_a_row_of_top_k_32_past_2048_tokens() -> None:

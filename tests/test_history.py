@@ -37,7 +37,7 @@ from difftest.run.runner import Status, run_case
 BUG = {b.name: b for b in KNOWN_BUGS}
 FIXED_BUGS = [b for b in KNOWN_BUGS if b.fixed]
 # a dense case of 48-token pages: the first stratum of the covering schedule
-PAGE_48 = generated_cases(1, 0, dense_cases())[0]
+PAGE_48 = generated_cases(1, 0, dense_cases)[0]
 MODES = Case(num_blocks=128, seq_lens=(128,), block_tables=((0,),), selections=((0,),),
              num_q_heads=1, softcap=0.01, sliding_window=1, canary=True, split_k_segments=2,
              seq_threshold_3d=1)

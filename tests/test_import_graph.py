@@ -17,7 +17,7 @@ from pathlib import Path
 # The layer packages, lowest first: the data flows case -> inputs (cache and views) -> backends
 # -> results -> judgement -> report, and each layer imports only from layers before it.
 LAYERS = ("primitives", "machine", "case", "inputs", "contract", "generation", "backends",
-          "results", "judgement", "reporting", "run", "frontends")
+          "results", "judgement", "reporting", "run", "frontends", "kernel_tests")
 # Above every layer: the package face and the entry points (``difftest``, ``difftest.cli``,
 # ``difftest.pytest_plugin``, ``difftest.__main__``).
 TOP = len(LAYERS)

@@ -46,28 +46,37 @@ SCRIPT = textwrap.dedent('''
     kernel[(8,)](x, out, 1000, BLOCK=128)
     kernel[(8,)](x, out, 1000, BLOCK=128)  # a second launch after the first one's restore
     torch.save(out, sys.argv[2])
-    print(len(calls))
+    leaked = [name for name, value in vars(tl.core).items()
+              if "_patch_attr" in getattr(value, "__qualname__", "")]
+    print(len(calls), len(leaked))
 ''')
 
 
-def _run(mode: str, path: str) -> int:
+def _run(mode: str, path: str) -> tuple[int, int]:
+    """The script's patch count and the interpreter patches left on ``triton.language.core``
+    after its launches."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", SCRIPT, mode, path], env=env,
                           capture_output=True, text=True, check=True)
-    return int(done.stdout.split()[-1])
+    patches, leaked = done.stdout.split()[-2:]
+    return int(patches), int(leaked)
 
 
 def test_the_skip_runs_the_same_kernels_with_fewer_patches(tmp_path) -> None:
     """Two launches of a kernel calling a helper 3 times in each of its 8 programs: the same
     bits, and the nested patches are gone: each launch patches once for itself and once for
     the first callee that sees ``triton.language.core`` (a ``triton.language`` function
-    written in Triton), which the kernel's own patch does not cover."""
+    written in Triton), which the kernel's own patch does not cover. That callee's patches
+    are undone with the launch's, where Triton leaves them on ``triton.language.core`` (a
+    kernel compiled later in the process would meet them)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
-    plain = _run("plain", str(tmp_path / "plain.pt"))
-    skipped = _run("skip", str(tmp_path / "skip.pt"))
+    plain, plain_leaked = _run("plain", str(tmp_path / "plain.pt"))
+    skipped, skipped_leaked = _run("skip", str(tmp_path / "skip.pt"))
     assert plain >= 2 * (1 + 3 * 8)
     assert skipped == 2 * 2
+    assert plain_leaked > 0
+    assert skipped_leaked == 0
     a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "skip.pt")
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 

@@ -257,7 +257,7 @@ def test_backends_without_the_new_modes_refuse_them_by_name() -> None:
 def test_default_strategy_draws_every_mode_at_its_boundaries() -> None:
     """60 default cases (small): each mode on in some, fp8 queries only on fp8 KV, prefill
     requests of several dense rows, and split-K reaching both kernels."""
-    drawn = generated_cases(60, 0, cases(max_batch=2, max_topk=4, max_blocks=160))
+    drawn = generated_cases(60, 0, cases, max_batch=2, max_topk=4, max_blocks=160)
     modes = {m for c in drawn for m in c.kernel_modes}
     assert modes == {"softcap", "sliding_window", "q_scale", "query_lens", "split_k_segments"}
     assert all(c.is_fp8 for c in drawn if c.q_scale)
@@ -270,7 +270,7 @@ def test_default_strategy_draws_every_mode_at_its_boundaries() -> None:
 def test_audit_shows_the_new_modes_varying_on_triton_unified() -> None:
     """triton-unified's statements over one case of each mode: the q descale, the kernel
     path of the split-K scratch and the query length vary."""
-    drawn = generated_cases(60, 0, cases(max_batch=2, max_topk=4, max_blocks=160))
+    drawn = generated_cases(60, 0, cases, max_batch=2, max_topk=4, max_blocks=160)
     picks = [next(c for c in drawn if c.q_scale).replace(kv_dtype="float8_e4m3fn"), PREFILL,
              # a row with context: the scratch shows which kernel ran only where one wrote
              next(c for c in drawn if c.split_k_segments and kernel_path(c) == "3D"

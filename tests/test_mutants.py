@@ -19,7 +19,7 @@ from difftest.backends.torch_ref import TorchReference
 from difftest.case.spec import Case
 from difftest.contract.backend import RunInputs
 from difftest.contract.registry import load_plugin
-from difftest.generation.capabilities import cases_for_backend
+from difftest.generation.capabilities import Capabilities, cases_for_backend
 from difftest.generation.generate import generated_cases
 from difftest.generation.strategies import SELECTION_MODES, cases
 from difftest.run.runner import Status, run_case
@@ -79,13 +79,13 @@ def test_harmful_mutant_is_killed_quickly(name: str, device: torch.device) -> No
 def test_page_count_mismatch_is_the_reports_assertion(device: torch.device) -> None:
     """The K-trim switched off errors exactly as the report's traceback, on packed cases only."""
     mutant = MUTANTS["aiter-gluon@emulated!kv-page-count-mismatch"]
-    packed = cases(query_dtypes=("float16",), kv_dtypes=("float8_e4m3fn",), layouts=("LBHNC",))
-    dense = cases(query_dtypes=("float16",), kv_dtypes=("float8_e4m3fn",), layouts=("LHBNC",))
-    case = generated_cases(1, 0, packed, schedule=())[0]  # the simplest case, no modes
+    packed = dict(query_dtypes=("float16",), kv_dtypes=("float8_e4m3fn",), layouts=("LBHNC",))
+    dense = dict(query_dtypes=("float16",), kv_dtypes=("float8_e4m3fn",), layouts=("LHBNC",))
+    case = generated_cases(1, 0, cases, schedule=(), **packed)[0]  # the simplest case, no modes
     result = run_case(case, TorchReference(), [mutant], device).results[0]
     assert result.status is Status.ERROR
     assert "key/value caches must have the same number of blocks" in result.detail
-    dense_case = generated_cases(1, 0, dense, schedule=())[0]
+    dense_case = generated_cases(1, 0, cases, schedule=(), **dense)[0]
     assert run_case(dense_case, TorchReference(), [mutant], device).results[0].status is not (
         Status.ERROR)
 
@@ -111,8 +111,8 @@ def test_unreachable_means_unchanged(name: str, device: torch.device) -> None:
     # Dropping the last block changes nothing only where no row attends anything.
     modes = ("empty-rows",) if name.endswith("!drop-last-block") else SELECTION_MODES
     checked = 0
-    strategy = _strategy(mutant, device, max_batch=2, max_topk=4, selection_modes=modes)
-    for case in generated_cases(40, 1, strategy):
+    fitted = Capabilities.probe([mutant], device).fitted_strategy
+    for case in generated_cases(40, 1, fitted, max_batch=2, max_topk=4, selection_modes=modes):
         if mutant.mutation.reachable(case):
             continue
         checked += 1

@@ -17,7 +17,7 @@ def test_the_plan_counts_its_cases_by_origin_in_every_shard() -> None:
     ``... fitted: ...``) on the backends that refused the drawn case; a shard keeps its own
     runs and records the whole set's counts."""
     capabilities = Capabilities.probe([TritonUnifiedAttention()], torch.device("cpu"))
-    examples = generated_cases(8, 0, capabilities.strategy())
+    examples = generated_cases(8, 0, capabilities.strategy)
     corpus = load_corpus()[:2]
     plan = RunPlan.build(capabilities, corpus, examples)
     counts = plan.counts()

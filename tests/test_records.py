@@ -255,3 +255,26 @@ def test_a_report_writes_exactly_the_documented_fields(run, tmp_path: Path) -> N
                     assert set(location) == _documented("#### Location")
     for entry in written["backends"].values():
         assert set(entry) == _documented("### `backends`")
+
+
+def test_a_kernel_calls_device_code_round_trips_and_old_calls_read_without_it() -> None:
+    """``calls[].device_code`` is written with the keys the gate compares, read back equal,
+    and a call written before the field reads with none."""
+    from difftest.contract.kernel_call import DeviceCode, KernelCall, StatedArgument
+
+    code = DeviceCode(kernel="paged_attention_decode_sliding_window_head_1", arch="gfx950",
+                      specialization="KV_BLOCK_SIZE=16 query_ptr:*fp8e4nv/16", sha256="ab" * 32,
+                      vgprs=258, sgprs=105, lds_bytes=6144, spills=8, occupancy=1)
+    call = KernelCall("pa_decode_gluon", {"query": StatedArgument("float16 [N, 16, 128]")},
+                      [code])
+    result = ResultRecord("aiter-gluon@compiled", Status.AGREE, calls=[call])
+    entry = json.loads(dumps(result.to_dict()))
+    assert set(entry["calls"][0]["device_code"][0]) == {
+        "kernel", "arch", "specialization", "sha256", "vgprs", "sgprs", "lds_bytes", "spills",
+        "occupancy"}
+    assert ResultRecord.from_dict(entry, "r") == result
+    del entry["calls"][0]["device_code"]
+    assert ResultRecord.from_dict(entry, "r").calls[0].device_code == []
+    entry["calls"][0]["device_code"] = [{"kernel": "k"}]
+    with pytest.raises(RecordError, match=r"r\.calls\[0\]\.device_code\[0\]\.arch: missing"):
+        ResultRecord.from_dict(entry, "r")

@@ -24,12 +24,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, find, given, settings
 from hypothesis import seed as hypothesis_seed
-from hypothesis import strategies as st
 
 from difftest.backends.aiter_gluon import AiterGluon
 from difftest.backends.torch_ref import TorchReference
 from difftest.case.selection import build_rows, selection_is_canonical
 from difftest.case.spec import BLOCK_SIZE, Case
+from difftest.generation.cover import Cover
 from difftest.generation.covering import (
     CLASSES,
     DENSE_CLASSES,
@@ -38,8 +38,8 @@ from difftest.generation.covering import (
     first_examples,
 )
 from difftest.generation.dense import dense_cases, dense_examples
-from difftest.generation.generate import BACKEND, generated_cases
-from difftest.generation.strategies import PAGE_IDS_PAST_2_16, cases, covering
+from difftest.generation.generate import BACKEND, CaseStrategy, generated_cases
+from difftest.generation.strategies import PAGE_IDS_PAST_2_16, cases
 from difftest.run.runner import FAILING, Status, run_case
 from mutants.catalog import MUTATIONS
 from mutants.injection import MutantBackend
@@ -162,7 +162,7 @@ def test_boundary_bias() -> None:
     assert hits["large cache read past page 2**16"] >= 0.75 * hits["large cache"], share
 
 
-def covering_table(count: int, strategy: st.SearchStrategy[Case] | None = None,
+def covering_table(count: int, strategy: CaseStrategy = cases,
                    classes: Sequence[CoverClass] = CLASSES) -> dict[str, list[int | None]]:
     """Per class, the index of its first example in the first ``count`` generated cases of
     each of :data:`SEEDS` seeds (``None``: not there), printed as a table."""
@@ -198,21 +198,24 @@ def test_the_dense_family_takes_every_geometry_in_its_first_examples() -> None:
     block size, head size and layout of the dense family, 8 KV heads, 16 query heads per KV
     head, and six kernel modes."""
     count = dense_examples(FIRST)
-    missing = _missing(covering_table(count, dense_cases(), DENSE_CLASSES))
+    missing = _missing(covering_table(count, dense_cases, DENSE_CLASSES))
     assert not missing, f"classes missing in the first {count} dense examples: {missing}"
 
 
 def test_a_decision_the_limits_rule_out_is_drawn() -> None:
     """A stratum asking for top-k 16 and a cache past page id 2**16 under ``max_topk=4`` and
-    ``max_blocks=160`` draws both within the limits; an unknown decision is refused by name."""
-    small = cases(max_topk=4, max_blocks=160)
-    wanted = {"modes": (), "topk": 16, "large_cache": True, "tail": 1}
-    drawn = generated_cases(10, 0, small, schedule=[wanted] * 10)
+    ``max_blocks=160`` draws both within the limits; an unknown decision is refused by name,
+    and so is a strategy already built (it could not take the schedule's decisions)."""
+    wanted = Cover(modes=(), topk=16, large_cache=True, tail=1)
+    drawn = generated_cases(10, 0, cases, schedule=[wanted] * 10, max_topk=4,
+                            max_blocks=160)
     assert all(c.topk <= 4 and c.num_blocks <= 160 for c in drawn)
     assert all(not c.kernel_modes for c in drawn)
     assert all(c.seq_lens[0] % BLOCK_SIZE == 1 for c in drawn)
-    with pytest.raises(ValueError, match="unknown decision 'top_k'"), covering({"top_k": 16}):
-        pass
+    with pytest.raises(TypeError, match="'top_k'"):
+        Cover(top_k=16)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"pass capabilities.strategy, not "):
+        generated_cases(1, 0, cases())  # type: ignore[arg-type]
 
 
 LOADER = """

@@ -16,7 +16,9 @@ the output dtype, and the K-trim:
 
 ``aiter-gluon`` calls the real kernel (ROCm GPU with AITER only); ``aiter-gluon@emulated``
 calls :mod:`difftest.backends.pa_decode_gluon_emulator` on any machine, emulating gfx942 for
-e4m3fnuz KV and gfx950 otherwise. Options, given in the name as ``base[key=value,...]``
+e4m3fnuz KV and gfx950 otherwise; ``aiter-gluon@compiled``
+(:mod:`difftest.backends.aiter_gluon_compiled`) calls an AITER tree's own launcher with its
+kernels compiled instead of run. Options, given in the name as ``base[key=value,...]``
 (see :class:`difftest.contract.registry.OptionSpec`; docs/rocm.md):
 
 * ``k_trim``: ``on`` (default); ``off`` (K passed untrimmed); ``before-stride`` (the pitfall:

@@ -17,12 +17,19 @@ else the PyPI wheel ``scripts/setup.sh`` unpacks into ``<venv>/difftest-aiter`` 
 
 Without a GPU, AITER's import-time and launch-time questions about the device are answered on
 its behalf, in one place (:class:`DeviceAnswers`): Triton's active driver reports a HIP target
-of the chosen gfx arch (AITER reads it for its fp8 type and tuning), and ``get_num_sms`` of
-AITER's ``utils/device_info`` returns the chosen compute-unit count (AITER's 2-D/3-D choice).
+of the chosen gfx arch (AITER reads it for its fp8 type and tuning), ``get_num_sms`` of
+AITER's ``utils/device_info`` and ``torch.cuda.get_device_properties()`` return the chosen
+compute-unit count (AITER's 2-D/3-D choice, ``pa_decode_gluon``'s split recommendation), and
+``aiter.dtypes`` (a plain ``import aiter`` of a tree module is pointed at the private package)
+is AITER's ``utility/dtypes.py`` with the arch answered (:func:`answered_dtypes`).
+``AiterSource.load(..., compiled=True)`` loads a tree's modules a second time, under their own
+private name and with Triton's interpreter off, so that their kernels can be compiled for the
+arch rather than interpreted (:mod:`difftest.backends.aiter_compile`).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import hashlib
 import importlib
@@ -40,6 +47,7 @@ from pathlib import Path
 
 from difftest.backends.private_tree import PrivateTreeFinder
 from difftest.backends.vllm_arch import ARCHES
+from difftest.machine.triton_compile import not_interpreted
 
 ROOT_ENV = "DIFFTEST_AITER_ROOT"
 SOURCE_ENV = "DIFFTEST_AITER"
@@ -54,7 +62,9 @@ ARCH_OF_FP8 = {"float8_e4m3fnuz": "gfx942", "float8_e4m3fn": "gfx950"}
 
 _FROM_LINE = re.compile(r"^(\s*from\s+)aiter((?:\.\w+)*\s+import\b)", re.M)
 _IMPORT_AS_LINE = re.compile(r"^(\s*import\s+)aiter((?:\.\w+)+\s+as\s+\w+)", re.M)
+_PLAIN_IMPORT_LINE = re.compile(r"^(\s*)import aiter[ \t]*$", re.M)
 _DEVICE_INFO = "ops.triton.utils.device_info"
+_DTYPES = "utility.dtypes"
 
 
 class SourceError(ValueError):
@@ -97,22 +107,53 @@ class _AnsweringDriver:
         """Device 0."""
         return 0
 
+    def get_current_stream(self, device: int | None = None) -> int:
+        """The null stream (a launch compiled only never uses it)."""
+        return 0
+
 
 @contextlib.contextmanager
 def answering(answers: DeviceAnswers | None) -> Iterator[None]:
-    """Triton's active driver reports ``answers.arch`` inside the block (nothing without
-    answers); the previous driver comes back after it."""
+    """Triton's active driver reports ``answers.arch`` and ``torch.cuda.get_device_properties``
+    its compute units inside the block (nothing without answers); both come back after it."""
     if answers is None:
         yield
         return
+    import torch
     from triton.runtime.driver import driver
 
-    previous = driver._active
+    properties = types.SimpleNamespace(name=f"AMD {answers.arch} (answered)",
+                                       gcnArchName=answers.arch,
+                                       multi_processor_count=answers.compute_units)
+    previous, previous_properties = driver._active, torch.cuda.get_device_properties
     driver.set_active(_AnsweringDriver(answers.arch))
+    torch.cuda.get_device_properties = lambda device=None: properties
     try:
         yield
     finally:
         driver._active = previous
+        torch.cuda.get_device_properties = previous_properties
+
+
+def answered_dtypes(path: Path, arch: str, name: str) -> types.ModuleType:
+    """AITER's ``utility/dtypes.py`` at ``path`` as ``arch`` gives it: its statements run in
+    order with ``get_gfx_runtime()`` (``get_gfx()`` before v0.1.19) answering ``arch``. Its
+    imports are not run (they reach ``rocminfo`` and the C++ enum header), so the statements
+    that need what they import (the C++ dtype ids) are skipped; ``fp8``, ``bf16``, ``fp16`` and
+    ``fp32`` are AITER's own lines."""
+    import torch
+
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    module.__dict__.update(torch=torch, get_gfx_runtime=lambda: arch, get_gfx=lambda: arch)
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        try:
+            exec(compile(ast.Module([node], []), str(path), "exec"), module.__dict__)
+        except NameError:
+            continue  # a name one of the skipped imports would have bound
+    return module
 
 
 @dataclass(frozen=True)
@@ -133,18 +174,22 @@ class AiterSource:
                 return path
         return None
 
-    def module_prefix(self, answers: DeviceAnswers | None) -> str:
-        """The private top-level name its modules load under (one per tree and answers)."""
+    def module_prefix(self, answers: DeviceAnswers | None, compiled: bool = False) -> str:
+        """The private top-level name its modules load under (one per tree, answers and
+        whether they are loaded to be compiled)."""
         tag = re.sub(r"\W", "_", self.version)
         tag += "_" + hashlib.sha256(str(self.package).encode()).hexdigest()[:8]
-        return f"_difftest_aiter_{tag}" + (f"_{answers.arch}" if answers else "")
+        return (f"_difftest_aiter_{tag}" + (f"_{answers.arch}" if answers else "")
+                + ("_compiled" if compiled else ""))
 
-    def load(self, path: Path, answers: DeviceAnswers | None) -> types.ModuleType:
+    def load(self, path: Path, answers: DeviceAnswers | None,
+             compiled: bool = False) -> types.ModuleType:
         """Import the tree's module file ``path`` under the private name (once), with
-        ``answers`` given to AITER's device questions (none on a GPU)."""
-        prefix = self.module_prefix(answers)
+        ``answers`` given to AITER's device questions (none on a GPU); ``compiled`` executes
+        the tree's files with Triton's interpreter off, so their kernels compile."""
+        prefix = self.module_prefix(answers, compiled)
         if not any(isinstance(f, _AiterFinder) and f.prefix == prefix for f in sys.meta_path):
-            sys.meta_path.append(_AiterFinder(self.package, prefix, answers))
+            sys.meta_path.append(_AiterFinder(self.package, prefix, answers, compiled))
         relative = path.relative_to(self.package).with_suffix("")
         with answering(answers):
             return importlib.import_module(".".join((prefix, *relative.parts)))
@@ -153,16 +198,31 @@ class AiterSource:
 class _AiterFinder(PrivateTreeFinder):
     """Finds ``<prefix>.<path inside aiter/>`` in one tree (directories are empty packages)."""
 
-    def __init__(self, package: Path, prefix: str, answers: DeviceAnswers | None) -> None:
+    def __init__(self, package: Path, prefix: str, answers: DeviceAnswers | None,
+                 compiled: bool = False) -> None:
         super().__init__(package, prefix)
         self.answers = answers
+        self.compiled = compiled
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """As the base class; the top-level package gets the answered ``dtypes`` (also
+        the module ``utility.dtypes``) where AITER's device questions are answered."""
+        super().exec_module(module)
+        dtypes = self.package / Path(*_DTYPES.split(".")).with_suffix(".py")
+        if module.__name__ == self.prefix and self.answers is not None and dtypes.is_file():
+            name = f"{self.prefix}.{_DTYPES}"
+            module.dtypes = sys.modules.setdefault(
+                name, answered_dtypes(dtypes, self.answers.arch, name))
 
     def run_file(self, module: types.ModuleType, path: Path) -> None:
-        """Run a module file with its ``aiter`` imports pointed at the prefix.
-        ``device_info.get_num_sms`` is replaced by the answered CU count."""
+        """Run a module file with its ``aiter`` imports pointed at the prefix (``import
+        aiter`` binds the private package). ``device_info.get_num_sms`` is replaced by the
+        answered CU count."""
         source = _FROM_LINE.sub(rf"\g<1>{self.prefix}\g<2>", path.read_text())
         source = _IMPORT_AS_LINE.sub(rf"\g<1>{self.prefix}\g<2>", source)
-        exec(compile(source, str(path), "exec"), module.__dict__)
+        source = _PLAIN_IMPORT_LINE.sub(rf"\g<1>import {self.prefix} as aiter", source)
+        with not_interpreted() if self.compiled else contextlib.nullcontext():
+            exec(compile(source, str(path), "exec"), module.__dict__)
         if self.answers is not None and module.__name__ == f"{self.prefix}.{_DEVICE_INFO}":
             units = self.answers.compute_units
             module.get_num_sms = lambda: units
@@ -244,3 +304,59 @@ def chosen_source(option: str | None) -> tuple[AiterSource | None, str]:
                       f"{Path(sys.prefix) / WHEEL_DIR} (bash scripts/setup.sh unpacks "
                       f"amd-aiter's wheel there), no aiter= option or ${SOURCE_ENV}")
     return found, ""
+
+
+def load_aiter_kernel(tree: str | None, device: str, modules: list[str], name: str,
+                      arch: str, compute_units: int) -> object:
+    """``name`` of the first of AITER's ``modules`` that exists: of the installed ``aiter``,
+    or of the tree at ``tree`` (a directory holding ``aiter/``, or that directory), whose
+    directories become empty packages so that ``aiter/__init__`` (which needs ROCm) never
+    runs. On the CPU (``device == "cpu"``, Triton's interpreter) AITER's questions about the
+    GPU are answered as :class:`DeviceAnswers` answers them: Triton's active driver reports
+    ``hip/<arch>`` and ``device_info.get_num_sms()`` returns ``compute_units``.
+    Self-contained: ``difftest export`` copies it into its scripts
+    (:mod:`difftest.contract.exported_call`).
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    if not tree and importlib.util.find_spec("aiter") is None:
+        raise ImportError("AITER is not installed here: install amd-aiter, or pass --tree DIR "
+                          "(a directory holding aiter/, e.g. an unpacked wheel or a checkout)")
+    if tree:
+        root = Path(tree).expanduser().resolve()
+        root = root if root.name == "aiter" else root / "aiter"
+        if not (root / "ops" / "triton").is_dir():
+            raise ImportError(f"--tree {tree}: no AITER package with ops/triton at {root}")
+        for directory in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+            package = ".".join(("aiter", *directory.relative_to(root).parts))
+            module = types.ModuleType(package)
+            module.__path__ = [str(directory)]
+            sys.modules[package] = module
+    if device == "cpu":
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+
+        class Answers:
+            def get_current_target(self) -> object:
+                return GPUTarget("hip", arch, 64)
+
+            def get_current_device(self) -> int:
+                return 0
+
+        driver.set_active(Answers())
+        try:
+            info = importlib.import_module("aiter.ops.triton.utils.device_info")
+            info.get_num_sms = lambda: compute_units
+        except ModuleNotFoundError:
+            pass  # a release that does not ask
+    for module_name in modules:
+        try:
+            return getattr(importlib.import_module(module_name), name)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module_name.startswith(err.name):
+                raise
+    raise ImportError(f"AITER has none of {', '.join(modules)}")

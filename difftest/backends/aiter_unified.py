@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from difftest.backends.aiter_triton import (
     DeviceAnswers,
     answering,
     chosen_source,
+    load_aiter_kernel,
 )
 from difftest.backends.triton_unified import (
     INTERPRETER_BF16_FINDING,
@@ -53,6 +55,7 @@ from difftest.backends.vllm_imports import triton_precision
 from difftest.case.selection import kernel_sequences
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.exported_call import ExportedCall, KernelImport
 from difftest.contract.kernel_call import (
     KernelCall,
     id_classes,
@@ -313,11 +316,27 @@ class AiterUnified:
         if missing:
             raise RuntimeError(f"AITER {self._version()}'s unified_attention takes no "
                                f"{', '.join(missing)}")
+        inputs.export_call(ExportedCall(self._kernel_import(case), "unified_attention",
+                                        arguments, output="out"))
         with answering(answers):
             result = unified_attention(**arguments)
         inputs.state(self._statement(unified_attention, arguments, case, device))
         # Releases whose single-segment 3-D path writes `out` in place return it too.
         return out if result is None else result
+
+    def _kernel_import(self, case: Case) -> KernelImport:
+        """How a script outside difftest gets this ``unified_attention``: from the
+        installed ``aiter``, or from a tree given to it (the recorded one is this source's),
+        the same device answers on the CPU (stated whatever device recorded it)."""
+        source = self._require_source()
+        answers = self._answers(case)
+        found = source.find(*KERNEL_FILES)
+        files = sorted(KERNEL_FILES, key=lambda f: found is None or source.package / f != found)
+        modules = [".".join(("aiter", *Path(f).with_suffix("").parts)) for f in files]
+        return KernelImport("amd-aiter", load_aiter_kernel, {
+            "modules": modules, "name": "unified_attention",
+            "arch": answers.arch, "compute_units": answers.compute_units},
+            str(source.package.parent))
 
     def _statement(self, kernel: Callable[..., Any], arguments: dict[str, Any], case: Case,
                    device: torch.device) -> KernelCall:

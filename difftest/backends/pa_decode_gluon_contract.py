@@ -6,6 +6,10 @@ and its assertion messages) for one emulated build: a contract revision
 (for ``get_recommended_splits``). A call decodes and checks the arguments into a
 :class:`~difftest.backends.pa_decode_gluon_numerics.Launch` (§2, §4 of
 ``shared/reference/aiter-pa-decode-gluon.md``), then runs the emulated numerics on it.
+:meth:`GluonEmulator.decode_call` also says which kernels AITER's launcher launches for the
+call and with what (:class:`KernelLaunch`: the kernel its dispatch picks, the grid, every
+stride, scalar and constexpr), which ``aiter-gluon@compiled`` checks against the launches the
+real launcher makes (:mod:`difftest.backends.aiter_gluon_compiled`).
 
 AITER's preconditions are explicit ``raise AssertionError`` (:func:`_aiter_assert`), never
 ``assert`` statements: pytest rewrites the asserts of an entry-point plugin's whole
@@ -16,6 +20,7 @@ AITER silently returns garbage raise ``ValueError`` (:func:`_require`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +38,14 @@ ARCH_FP8: dict[str, torch.dtype] = {
 }
 DEFAULT_ARCH = "gfx950"
 DEFAULT_NUM_CUS = 304
+CDNA_VERSION = {"gfx942": 3, "gfx950": 4}
 _TILE_SIZES = (128, 256)
+# torch_to_triton_dtype of AITER's ops/triton/utils/types.py, by the Triton dtype's name
+TRITON_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e4m3fnuz: "fp8e4b8", torch.bfloat16: "bf16",
+    torch.float16: "fp16", torch.float32: "fp32",
+}
+CXX_PS_REDUCE = "launch_pa_decode_ps_reduce"  # csrc/cpp_itfs/pa/pa_ps.py (C++ PS reduce)
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,50 @@ def _strided(
         ) from exc
 
 
+@dataclass(frozen=True)
+class Operand:
+    """A tensor argument of a launch: the call's argument ``name`` (or a view of it), or
+    ``"allocated"`` for scratch the launcher allocates itself, with its dtype."""
+
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch AITER's launcher makes for a call: the kernel its dispatch picks (or the
+    C++ PS reduce, :data:`CXX_PS_REDUCE`, which takes no grid), the grid, and the arguments
+    by the kernel's parameter names: ints, floats, bools and ``None`` as passed, tensors as
+    :class:`Operand`, ``COMPUTE_TYPE`` by Triton's dtype name."""
+
+    kernel: str
+    grid: tuple[int, ...]
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class DecodedCall:
+    """A call decoded: what the numerics need, the partition scratch (``None`` one-shot) and
+    the launches AITER's launcher makes for it."""
+
+    launch: Launch
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    kernels: list[KernelLaunch]
+
+
+def _pow2(n: int) -> int:
+    """``triton.next_power_of_2``."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _rows(tensor5: torch.Tensor) -> torch.Tensor:
     """[B, qlen, Hkv, G, ...] -> [B, Hkv, qlen*G, ...] (row e = i*G + g)."""
     b, qlen, hkv, g = tensor5.shape[:4]
@@ -208,6 +264,43 @@ class GluonEmulator:
         ``AssertionError``/``RuntimeError``; inputs on which AITER silently returns garbage
         raise ``ValueError`` (see the module docstring).
         """
+        call = self.decode_call(
+            output, query, key_cache, value_cache, context_lengths, block_tables,
+            softmax_scale, query_length, max_context_partition_num, context_partition_size,
+            compute_type, query_scale, key_scale, value_scale, exp_sums, max_logits,
+            temporary_output, alibi_slopes, sinks, sliding_window, ps)
+        emulate(call.launch, float(softmax_scale), call.scratch)
+
+    def decode_call(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        context_lengths: torch.Tensor,
+        block_tables: torch.Tensor,
+        softmax_scale: float,
+        query_length: int,
+        max_context_partition_num: int,
+        context_partition_size: int = 256,
+        compute_type: torch.dtype = torch.bfloat16,
+        query_scale: torch.Tensor | None = None,
+        key_scale: torch.Tensor | None = None,
+        value_scale: torch.Tensor | None = None,
+        exp_sums: torch.Tensor | None = None,
+        max_logits: torch.Tensor | None = None,
+        temporary_output: torch.Tensor | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
+        sliding_window: int = 0,
+        ps: bool = True,
+        *,
+        reduce: str = "cxx",
+    ) -> DecodedCall:
+        """Check and decode a ``pa_decode_gluon`` call (same arguments) without running it:
+        the numerics' launch, the scratch, and the launches AITER's launcher makes, its PS
+        reduce the C++ one (``reduce="cxx"``, a ROCm install) or the Triton fallback
+        (``"triton"``: an install without the C++ reduce and FlyDSL)."""
         del alibi_slopes  # AITER never forwards it to a kernel
         launch = self._decode(
             output,
@@ -230,7 +323,151 @@ class GluonEmulator:
         scratch = None
         if launch.partitions > 1:
             scratch = self._scratch(launch, query, exp_sums, max_logits, temporary_output)
-        emulate(launch, float(softmax_scale), scratch)
+        operands = {
+            name: Operand(name, tensor.dtype) for name, tensor in (
+                ("output", output), ("query", query), ("key_cache", key_cache),
+                ("value_cache", value_cache), ("context_lengths", context_lengths),
+                ("block_tables", block_tables), ("query_scale", query_scale),
+                ("key_scale", key_scale), ("value_scale", value_scale),
+                ("exp_sums", exp_sums), ("max_logits", max_logits),
+                ("temporary_output", temporary_output), ("sinks", sinks))
+            if tensor is not None}
+        kernels = self._launches(launch, operands, output, query, key_cache, value_cache,
+                                 block_tables, softmax_scale, max_context_partition_num,
+                                 query_scale, key_scale, exp_sums, temporary_output,
+                                 sliding_window, ps, reduce)
+        return DecodedCall(launch, scratch, kernels)
+
+    def _launches(
+        self,
+        launch: Launch,
+        operands: dict[str, Operand],
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        softmax_scale: float,
+        partitions: int,
+        query_scale: torch.Tensor | None,
+        key_scale: torch.Tensor | None,
+        exp_sums: torch.Tensor | None,
+        temporary_output: torch.Tensor | None,
+        sliding_window: int,
+        ps: bool,
+        reduce: str,
+    ) -> list[KernelLaunch]:
+        """The launches of AITER's launcher (v0.1.14 on: ``pa_decode_gluon``, its kernel
+        wrapper's dispatch and grid, and the reduce wrapper's first choice)."""
+        b, qlen, hkv, g, d = (launch.batch, launch.qlen, launch.kv_heads, launch.group,
+                              launch.head_size)
+        one_shot = partitions <= 1
+        ps = ps or one_shot
+        scratch_shape = (b, hkv, partitions, qlen * g)
+        sums = exp_sums.stride() if exp_sums is not None else _contiguous_strides(scratch_shape)
+        temporary = (temporary_output.stride() if temporary_output is not None
+                     else _contiguous_strides((*scratch_shape, d)))
+        scratch_out = operands.get("temporary_output", Operand("allocated", query.dtype))
+        output5 = output.reshape(b, qlen, hkv, g, d)
+        query5 = query.reshape(b, qlen, hkv, g, d)
+        per_token_q = query_scale is not None and query_scale.numel() > 1
+        q_scale_strides = (query_scale.reshape(b, qlen, hkv, g, 1).stride()[:3] if per_token_q
+                           else (0, 0, 0))
+        kv_scale_strides = (key_scale.stride()[:2] if launch.kv_quant_mode == 1 else (0, 0))
+        out_strides = output5.stride()[:4] if one_shot else temporary[:4]
+        common: dict[str, Any] = {
+            "exp_sums_ptr": operands.get("exp_sums", Operand("allocated", torch.float32)),
+            "max_logits_ptr": operands.get("max_logits", Operand("allocated", torch.float32)),
+            "output_ptr": operands["output"] if one_shot else scratch_out,
+            "query_ptr": operands["query"], "key_cache_ptr": operands["key_cache"],
+            "value_cache_ptr": operands["value_cache"],
+            "block_tables_ptr": operands["block_tables"],
+            "context_lengths_ptr": operands["context_lengths"],
+            "softmax_scale": softmax_scale, "query_scale": operands.get("query_scale"),
+            "key_scale": operands.get("key_scale"), "value_scale": operands.get("value_scale"),
+            **dict(zip(("stride_max_logits_seq", "stride_max_logits_head",
+                        "stride_max_logits_part"), sums[:3], strict=True)),
+            **dict(zip(("stride_query_bs", "stride_query_qlen", "stride_query_kv_head",
+                        "stride_query_group_size"), query5.stride()[:4], strict=True)),
+            **dict(zip(("stride_key_block", "stride_key_head", "stride_key_head_split",
+                        "stride_key_block_elem"), key_cache.stride()[:4], strict=True)),
+            **dict(zip(("stride_value_block", "stride_value_head", "stride_value_head_size"),
+                       value_cache.stride()[:3], strict=True)),
+            "stride_block_table_seq": block_tables.stride(0),
+            **dict(zip(("stride_query_scale_bs", "stride_query_scale_qlen",
+                        "stride_query_scale_kv_head"), q_scale_strides, strict=True)),
+            "kv_scale_stride_0": kv_scale_strides[0], "kv_scale_stride_1": kv_scale_strides[1],
+            "head_size": d,
+            "COMPUTE_TYPE": TRITON_DTYPE_NAMES.get(launch.compute_type),
+            "HEAD_SIZE_POW2": _pow2(d), "KV_BLOCK_SIZE": launch.block_size,
+            "CONTEXT_PARTITION_SIZE": launch.tile,
+            "QUERY_QUANT_MODE": -1 if query_scale is None else int(per_token_q),
+            "KV_QUANT_MODE": launch.kv_quant_mode, "FP8_MAX_VALUE": launch.fp8_max,
+            "VALUE_TRANSPOSED": launch.value_transposed, "IS_CAUSAL": qlen > 1,
+            "SLIDING_WINDOW": sliding_window, "CDNA_VERSION": CDNA_VERSION[self.arch],
+        }
+        sinks = operands.get("sinks")
+        launches = []
+        if ps and not (sliding_window > 0 and launch.block_size == 1024):
+            group_pow2, qlen_pow2 = _pow2(g), _pow2(qlen)
+            grid: tuple[int, ...] = (b, hkv, partitions)
+            kernel = "paged_attention_decode_sliding_window"
+            if hkv == 1:
+                kernel += "_head_1"
+                if group_pow2 >= 16:
+                    grid, qlen_pow2 = (b, qlen * hkv, partitions), 1
+                else:
+                    mtp_splits = cdiv(qlen * hkv, cdiv(16, group_pow2))
+                    grid, qlen_pow2 = (b, mtp_splits, partitions), cdiv(qlen_pow2, mtp_splits)
+            launches.append(KernelLaunch(kernel, grid, {
+                **common, "sinks_ptr": sinks if one_shot else None,
+                **dict(zip(("stride_output_bs", "stride_output_len", "stride_output_kv_head",
+                            "stride_output_group_size"), out_strides, strict=True)),
+                "query_seq_len": qlen, "query_group_size": g, "QUERY_SEQ_LEN_POW2": qlen_pow2,
+                "ONE_QUERY_GROUP_SIZE_POW2": group_pow2, "ONE_SHOT": one_shot}))
+        else:
+            kernel = ("paged_attention_decode_v2_gluon_large_block_dot_kernel"
+                      if launch.block_size > launch.tile
+                      else "paged_attention_decode_v2_gluon_dot_kernel")
+            launches.append(KernelLaunch(kernel, (b, hkv, partitions), {
+                **common,
+                **dict(zip(("stride_output_seq", "stride_output_head", "stride_output_part",
+                            "stride_output_group"), out_strides, strict=True)),
+                "num_seqs": b, "num_kv_heads": hkv, "max_context_partition_num": partitions,
+                "QUERY_SEQ_LEN": qlen, "ONE_QUERY_GROUP_SIZE": g,
+                "KV_COMPUTE_BLOCK_SIZE": launch.tile}))
+        if one_shot:
+            return launches
+        reduce_strides = {
+            **dict(zip(("stride_output_bs", "stride_output_len", "stride_output_kv_head",
+                        "stride_output_group_size"), output5.stride()[:4], strict=True)),
+            **dict(zip(("stride_exp_sums_seq", "stride_exp_sums_head", "stride_exp_sums_part"),
+                       sums[:3], strict=True)),
+            **dict(zip(("stride_logits_seq", "stride_logits_head", "stride_logits_part",
+                        "stride_logits_group"), temporary[:4], strict=True)),
+        }
+        reduced = {"output_ptr": operands["output"], "exp_sums_ptr": common["exp_sums_ptr"],
+                   "max_logits_ptr": common["max_logits_ptr"], "logits_ptr": scratch_out,
+                   "sink_token_ptr": sinks, **reduce_strides}
+        if ps and reduce == "cxx":
+            launches.append(KernelLaunch(CXX_PS_REDUCE, (), {
+                **reduced, "query_seq_len": qlen, "query_group_size": g, "head_size": d,
+                "context_partition_num": partitions}))
+        elif ps:
+            launches.append(KernelLaunch("paged_attention_decode_ps_reduce_kernel",
+                                         (b, hkv, qlen * g), {
+                **reduced, "head_size": d, "context_partition_num": partitions,
+                "query_group_size": g, "HEAD_SIZE_POW2": _pow2(d), "USE_SINKS": sinks is not None,
+                "MAX_CONTEXT_PARTITION_NUM": _pow2(partitions)}))
+        else:
+            launches.append(KernelLaunch("paged_attention_decode_v2_reduce_kernel",
+                                         (b, hkv, 1), {
+                **reduced, "context_lengths_ptr": operands["context_lengths"], "head_size": d,
+                "num_seqs": b, "num_kv_heads": hkv,
+                "OUTPUT_SEQ_LEN": qlen, "ONE_OUTPUT_GROUP_SIZE": g,
+                "HEAD_SIZE_POW2": _pow2(d), "CONTEXT_PARTITION_SIZE": launch.tile,
+                "USE_SINKS": sinks is not None}))
+        return launches
 
     def _decode(
         self,

@@ -35,7 +35,8 @@ What is emulated:
   rounded to ``compute_type`` before PV; V scales folded in per tensor or per token with the
   kernel's ``FP8_MAX / max_tile`` trick; ``out = acc / l`` with ``l == 0 -> 1``; sinks; the
   result rounded to OUTPUT_DTYPE (bf16 for fp8 compute, else ``compute_type``), then stored
-  in ``output.dtype`` (AITER's store of a mismatched dtype is unverified).
+  in ``output.dtype`` (AITER's kernels do not compile for a float16 output or scratch under
+  fp8 compute, finding F31; the emulator stores it anyway).
 * Partitions (§3.3, §3.4): with ``max_context_partition_num`` S <= 1 the call is one-shot and
   rows with context length 0 are left untouched; with S > 1 each slot covers
   ``[j*c, min(L, (j+1)*c))``, ``c = cdiv(L, S)`` (``ps=True``) or one 256-token tile
@@ -52,8 +53,11 @@ Not emulated: the sliding-window partition schedule (any split gives the same re
 split schedule of blocks larger than 256 tokens, the large-block non-PS kernel's
 pre-scaling of fp8 probabilities by FP8_MAX (per-tensor scales), NaN/Inf propagation from
 masked slots (AITER multiplies them by p = 0; the emulator drops them), the tile average
-AITER returns for a row that sees no key although L > 0 (the emulator returns 0), and the
-Triton PS-reduce fallback (NaN for empty rows).
+AITER returns for a row that sees no key although L > 0 (the emulator returns 0), the
+Triton PS-reduce fallback (NaN for empty rows), and F31: under fp8 compute AITER's kernel
+does not compile into a float16 ``output`` (one-shot) or ``temporary_output`` (partitions),
+where the emulator computes a result (``aiter-gluon@compiled`` and ``vllm-aiter@compiled``
+show the real failure).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 :func:`installed_as_aiter` registers, for the duration of a ``with`` block, the modules vLLM
 imports (``aiter.dtypes``, ``aiter.ops.triton.gluon.pa_decode_gluon``) in ``sys.modules``,
-and restores ``sys.modules`` exactly afterwards.
+and restores ``sys.modules`` exactly afterwards. :func:`installed_modules` does the same for
+any ``pa_decode_gluon`` (``vllm-aiter@compiled`` installs an AITER tree's own launcher).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import contextlib
 import importlib.util
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -61,43 +63,61 @@ def installed_as_aiter(
     (a real AITER imported before the block included).
     """
     emulator = make_emulator(revision, arch, num_cus)
+    with installed_modules(emulator.pa_decode_gluon, emulator.get_recommended_splits,
+                           emulator.fp8, emulator.revision.name, "the pa_decode_gluon emulator",
+                           shadow_real=shadow_real):
+        yield emulator
+
+
+@contextlib.contextmanager
+def installed_modules(
+    pa_decode_gluon: Callable[..., Any],
+    get_recommended_splits: Callable[..., int],
+    fp8: torch.dtype,
+    marker: str,
+    what: str,
+    *,
+    shadow_real: bool = False,
+) -> Iterator[None]:
+    """Register fake ``aiter`` modules whose ``pa_decode_gluon``, ``get_recommended_splits``
+    and ``dtypes.fp8`` are the ones given, for the duration of the block; every fake module
+    carries ``__difftest_emulator__ = marker``. ``what`` names the stand-in in refusals (see
+    :func:`installed_as_aiter`)."""
     present = sys.modules.get("aiter")
     if present is not None and hasattr(present, "__difftest_emulator__"):
         raise RuntimeError(
-            "refusing to install the pa_decode_gluon emulator: an emulated "
-            "'aiter' module is already imported"
+            f"refusing to install {what}: an emulated 'aiter' module is already imported"
         )
     if present is not None and not shadow_real:
         raise RuntimeError(
-            "refusing to install the pa_decode_gluon emulator: a real "
-            "'aiter' module is already imported"
+            f"refusing to install {what}: a real 'aiter' module is already imported"
         )
     if not shadow_real and importlib.util.find_spec("aiter") is not None:
         raise RuntimeError(
-            "refusing to install the pa_decode_gluon emulator: a real 'aiter' "
-            "package is importable and would be shadowed"
+            f"refusing to install {what}: a real 'aiter' package is importable and would be "
+            "shadowed"
         )
     saved = _aiter_keys()
     for name in saved:  # no real submodule stays reachable beside the fakes
         del sys.modules[name]
     modules = {name: types.ModuleType(name) for name in _FAKE_MODULES}
     for name, module in modules.items():
-        module.__difftest_emulator__ = emulator.revision.name
+        module.__difftest_emulator__ = marker
         if name != _FAKE_MODULES[-1]:
             module.__path__ = []
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(modules[parent], child, module)
     dtypes = modules["aiter.dtypes"]
-    dtypes.fp8, dtypes.bf16, dtypes.fp16 = emulator.fp8, torch.bfloat16, torch.float16
+    dtypes.fp8, dtypes.bf16, dtypes.fp16 = fp8, torch.bfloat16, torch.float16
     dtypes.fp32 = torch.float32
     leaf = modules[_FAKE_MODULES[-1]]
-    leaf.pa_decode_gluon = emulator.pa_decode_gluon
-    leaf.get_recommended_splits = emulator.get_recommended_splits
-    modules["aiter"].pa_decode_gluon = emulator.pa_decode_gluon
+    leaf.pa_decode_gluon = pa_decode_gluon
+    leaf.get_recommended_splits = get_recommended_splits
+    modules["aiter"].pa_decode_gluon = pa_decode_gluon
     sys.modules.update(modules)
     try:
-        yield emulator
+        yield
     finally:
         for name in _aiter_keys():
             del sys.modules[name]

@@ -58,6 +58,14 @@ class TorchReference:
         """The reference output."""
         return self.reference(inputs).output
 
+    def working_bytes(self, case: Case) -> int:
+        """The float64 gathers of K and V (a chunk of at most :data:`ELEMENTS_PER_CHUNK`
+        values each) and of the logits and weights (as many)."""
+        width = max((sum(1 for b in row if b >= 0) for row in case.selections), default=0)
+        gathered = min(case.total_q * width * case.block_size * case.head_dim, ELEMENTS_PER_CHUNK)
+        logits = case.total_q * case.num_q_heads * width * case.block_size
+        return 8 * (2 * gathered + 2 * min(logits, ELEMENTS_PER_CHUNK))
+
     def reference(self, inputs: RunInputs) -> Reference:
         """Output, ``sum p|v|`` and logit magnitudes of every row, float64 (the magnitudes
         computed in float32, within the module's bound); on a GPU through a CUDA graph once

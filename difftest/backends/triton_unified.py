@@ -32,7 +32,6 @@ release's kernel files instead of the venv's (:mod:`difftest.backends.vllm_relea
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,29 +39,14 @@ from typing import Any
 import torch
 
 from difftest.backends.unified_call import unified_attention_arguments
-from difftest.backends.vllm_arch import arch_note, arch_of, record_launches
-from difftest.backends.vllm_imports import (
-    triton_availability,
-    triton_precision,
-    vllm_location,
-    vllm_version,
-)
-from difftest.backends.vllm_release import chosen_release, resolve
+from difftest.backends.vllm_adapter import INTERPRETER_BF16_FINDING, VllmAdapter
+from difftest.backends.vllm_imports import triton_precision
 from difftest.case.selection import kernel_sequences, unified_query_blocks
 from difftest.case.spec import Case
-from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
-from difftest.machine import devices
 from difftest.primitives.dtypes import dtype_name
 
-KERNEL_FILES = ("v1/attention/ops/triton_unified_attention.py",
-                "attention/ops/triton_unified_attention.py")
-
-INTERPRETER_BF16_FINDING = (
-    "bfloat16 queries under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
-    "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
-    "bfloat16 runs on GPUs"
-)
 INTERPRETER_FP8_QUERY_FINDING = (
     "fp8 queries under TRITON_INTERPRET=1: Triton's interpreter converts float32 subnormals "
     "to nonzero fp8 (1e-40 -> 0.00195), so the P * 256 -> fp8 step of the fp8-query path "
@@ -118,53 +102,37 @@ def kernel_path(case: Case, old_rule: bool = False) -> str:
     return "3D" if longest <= MAX_3D_QUERY_LEN and blocks <= case.seq_threshold_3d else "2D"
 
 
-class TritonUnifiedAttention:
+class TritonUnifiedAttention(VllmAdapter):
     """Adapter from a case to ``vllm.v1.attention.ops.triton_unified_attention``."""
 
+    base = "triton-unified"
+    kernel_files = ("v1/attention/ops/triton_unified_attention.py",
+                    "attention/ops/triton_unified_attention.py")
+    kernel_module_name = "vllm.v1.attention.ops.triton_unified_attention"
+    free_options = ("vllm", "arch")
+    arch_launches = ("kernel_unified_attention", "reduce_segments")
+    interpreter_bf16_finding = INTERPRETER_BF16_FINDING
     in_page_orders = ("plain",)
-    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, allow_interpreter_bf16: bool = False, vllm: str | None = None,
                  allow_interpreter_fp8_query: bool = False, arch: str | None = None) -> None:
-        self.allow_interpreter_bf16 = allow_interpreter_bf16
+        super().__init__(vllm, arch, allow_interpreter_bf16=allow_interpreter_bf16)
         self.allow_interpreter_fp8_query = allow_interpreter_fp8_query
-        self._loaded: dict[str, Any] = {}  # the kernel, its source, its signature check
-        self.release, self.release_error = chosen_release(vllm)
-        self.arch = arch_of(arch) if arch else None
-        given = [f"vllm={vllm}"] * bool(vllm) + [f"arch={arch}"] * bool(arch)
-        self.name = f"triton-unified[{','.join(given)}]" if given else "triton-unified"
+        self._facts: dict[str, Any] = {}  # the kernel file's source, its signature check
 
     def with_options(self, options: Mapping[str, str]) -> TritonUnifiedAttention:
         """``vllm=<version or path>``: the vLLM release whose kernel runs; ``arch=<gfx...>``:
         its launchers make that AMD architecture's choices (:mod:`~.vllm_arch`)."""
-        unknown = sorted(set(options) - {"vllm", "arch"})
-        if unknown:
-            raise ValueError(f"triton-unified: unknown option {unknown[0]!r} (options: vllm, "
-                             "arch)")
-        return TritonUnifiedAttention(self.allow_interpreter_bf16, options.get("vllm"),
-                                      self.allow_interpreter_fp8_query, options.get("arch"))
-
-    def availability(self) -> Availability:
-        """Needs vLLM (the chosen release's kernel file where one is named), and a GPU or
-        the Triton interpreter."""
-        if self.release_error:
-            return Availability(False, self.release_error)
-        lacks = self.release and self.release.lacks(*KERNEL_FILES)
-        if lacks:
-            return Availability(False, lacks)
-        return triton_availability()
+        free, _ = self.split_options(options)
+        return TritonUnifiedAttention(self.allow_interpreter_bf16, free.get("vllm"),
+                                      self.allow_interpreter_fp8_query, free.get("arch"))
 
     def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
         """bf16 and fp8 queries under the interpreter (F1, F12); e4m3fnuz on NVIDIA GPUs;
         fp8 queries of another fp8 dtype than the platform's."""
-        if device.type == "cpu" and not self.allow_interpreter_bf16 and (
-            case.query_dtype == "bfloat16"
-        ):
-            return INTERPRETER_BF16_FINDING
-        if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
-            devices.gpu_vendor() == "nvidia"
-        ):
-            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        reason = self.interpreter_bf16_reason(case, device) or self.fnuz_reason(case, device)
+        if reason:
+            return reason
         if case.q_scale:
             if device.type == "cpu" and not self.allow_interpreter_fp8_query:
                 return INTERPRETER_FP8_QUERY_FINDING
@@ -193,30 +161,28 @@ class TritonUnifiedAttention:
         reason = self.unsupported_in_every_release(case, device)
         if reason is not None:
             return reason
-        version = self.release.version if self.release else vllm_version()
         if case.q_scale and "Q_IS_FP8" not in self._source():
-            return (f"fp8 queries: vLLM {version}'s unified_attention has no q descale "
+            return (f"fp8 queries: vLLM {self.version()}'s unified_attention has no q descale "
                     "(it asserts q_descale is None)")
         if not case.is_fp8 and case.query_dtype != case.kv_dtype and not self._casts_kv():
-            return (f"vLLM {version}'s unified_attention has no kv_quant_mode and casts only "
-                    f"fp8 K/V to the query dtype: a {case.kv_dtype} cache needs "
+            return (f"vLLM {self.version()}'s unified_attention has no kv_quant_mode and casts "
+                    f"only fp8 K/V to the query dtype: a {case.kv_dtype} cache needs "
                     f"{case.kv_dtype} queries (tl.dot rejects {case.query_dtype} x "
                     f"{case.kv_dtype})")
         return None
 
     def _source(self) -> str:
         """The text of the chosen release's kernel file (read once per backend)."""
-        if "source" not in self._loaded:
-            module = sys.modules[self._kernel().__module__]
-            self._loaded["source"] = Path(module.__file__ or "").read_text()
-        return self._loaded["source"]
+        if "source" not in self._facts:
+            self._facts["source"] = Path(self.kernel_module().__file__ or "").read_text()
+        return self._facts["source"]
 
     def _casts_kv(self) -> bool:
         """Whether the kernel casts every K/V tile to the query dtype (``kv_quant_mode``)."""
-        if "casts_kv" not in self._loaded:
-            self._loaded["casts_kv"] = (
+        if "casts_kv" not in self._facts:
+            self._facts["casts_kv"] = (
                 "kv_quant_mode" in inspect.signature(self._kernel()).parameters)
-        return self._loaded["casts_kv"]
+        return self._facts["casts_kv"]
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """K/V dequantised to the query dtype; fp32 dots use tf32 on GPUs. fp8 queries: q,
@@ -236,44 +202,15 @@ class TritonUnifiedAttention:
         return EmptyRowOutput.ZERO
 
     def versions(self) -> dict[str, str]:
-        """vLLM and Triton versions, and whether Triton is interpreted."""
-        import triton
-
-        versions = {"vllm": vllm_version(), "triton": triton.__version__,
-                    "triton_interpret": str(devices.interpreted()),
-                    "kernel_path": "2-D; 3-D where a case's split_k_segments and "
-                    "seq_threshold_3d make vLLM choose it (the audit's seq_threshold_3D "
-                    "label per case; checked from the scratch after each run)",
-                    "vllm_path": vllm_location()}
-        if self.release is not None or self.arch is not None:
-            release = self.release or resolve(vllm_location())
-            try:
-                self._kernel()
-                loading = release.loading(self.arch and self.arch.name)
-            except Exception as exc:  # the run reports it as the backend's error
-                loading = f"loading failed: {exc!r}"
-            versions.update(vllm=release.version, vllm_path=str(release.package),
-                            vllm_loading=f"{loading} ({vllm_version()})")
-        if self.arch is not None:
-            versions["arch"] = arch_note(self.arch)
-        return versions
+        """vLLM and Triton versions, whether Triton is interpreted, and the kernel path."""
+        return {**self.vllm_versions(),
+                "kernel_path": "2-D; 3-D where a case's split_k_segments and "
+                "seq_threshold_3d make vLLM choose it (the audit's seq_threshold_3D "
+                "label per case; checked from the scratch after each run)"}
 
     def _kernel(self) -> Callable[..., Any]:
-        """The ``unified_attention`` function of the chosen release (or the venv's), looked
-        up once per backend."""
-        if "kernel" not in self._loaded:
-            self._loaded["kernel"] = self._load_kernel()
-        return self._loaded["kernel"]
-
-    def _load_kernel(self) -> Callable[..., Any]:
-        if self.release is None and self.arch is None:
-            from vllm.v1.attention.ops import triton_unified_attention as module
-        else:
-            release = self.release or resolve(vllm_location())
-            module = release.load_first(*KERNEL_FILES, arch=self.arch and self.arch.name)
-            if self.arch is not None:  # the launch hook: the parameters the arch chose
-                record_launches(module, ("kernel_unified_attention", "reduce_segments"))
-        return module.unified_attention
+        """The ``unified_attention`` function of the chosen release (or the venv's)."""
+        return self.kernel_module().unified_attention
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``unified_attention`` call over all query rows."""

@@ -27,7 +27,7 @@ that release's ``amd/ops/sparse_pa.py`` instead of the venv's
 
 from __future__ import annotations
 
-import types
+import contextlib
 from collections.abc import Mapping
 
 import torch
@@ -40,15 +40,7 @@ from difftest.backends.aiter_gluon import (
     gluon_empty_rows,
 )
 from difftest.backends.pa_decode_gluon_emulator import installed_as_aiter
-from difftest.backends.vllm_imports import (
-    import_minimax_m3,
-    kernel_availability,
-    minimax_m3_loading,
-    triton_availability,
-    vllm_location,
-    vllm_version,
-)
-from difftest.backends.vllm_release import chosen_release
+from difftest.backends.vllm_adapter import VllmAdapter
 from difftest.backends.vllm_triton_sparse import sparse_decode_labels
 from difftest.case.selection import aiter_table_differs, selection_is_canonical
 from difftest.case.spec import Case
@@ -57,7 +49,6 @@ from difftest.contract.kernel_call import kernel_call
 from difftest.contract.registry import OptionSpec
 from difftest.primitives.dtypes import torch_dtype
 
-KERNEL_FILE = "models/minimax_m3/amd/ops/sparse_pa.py"
 IRREGULAR = {"irregular": ("refuse", "accept")}
 REAL_OPTIONS = OptionSpec("vllm-aiter", IRREGULAR)
 EMULATED_VLLM_OPTIONS = OptionSpec("vllm-aiter@emulated",
@@ -81,52 +72,33 @@ def cut_short_reason(case: Case, rows: list[int], accepting: str) -> str:
             f"assumes the indexer selects each row's own block); {accepting} runs it anyway")
 
 
-class VllmAiter(GluonCaller):
+class VllmAiter(GluonCaller, VllmAdapter):
     """vLLM's ``minimax_m3_sparse_attn_decode_aiter`` on real AITER or, ``emulated``, on the
     ``pa_decode_gluon`` emulator."""
 
     real_options = REAL_OPTIONS
     emulated_options = EMULATED_VLLM_OPTIONS
-    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
+    base = REAL_OPTIONS.base
+    kernel_files = ("models/minimax_m3/amd/ops/sparse_pa.py",)
+    kernel_module_name = "vllm.models.minimax_m3.amd.ops.sparse_pa"
+    kernel_what = "MiniMax-M3 AITER decode"
 
     def __init__(self, emulated: bool = False, options: Mapping[str, str] | None = None) -> None:
-        options = dict(options or {})
-        spec = options.pop("vllm", None)
-        super().__init__(emulated, options)
-        self.vllm = spec
-        self.release, self.release_error = chosen_release(spec)
-        if spec:  # a free-form value: listed after the others, as given
-            self.name = (f"{self.name[:-1]},vllm={spec}]" if self.name.endswith("]")
-                         else f"{self.name}[vllm={spec}]")
+        free, own = self.split_options(options or {}, own=True)
+        GluonCaller.__init__(self, emulated, own)
+        VllmAdapter.__init__(self, **free, name=self.name)
 
     def with_options(self, options: Mapping[str, str]) -> VllmAiter:
         """The same backend configured by ``options`` (relative to the defaults);
         ``vllm=<version or path>`` names the vLLM release whose ``sparse_pa.py`` runs."""
         return VllmAiter(self.emulated, options)
 
-    def _sparse_pa(self) -> types.ModuleType:
-        """The chosen release's ``amd/ops/sparse_pa.py`` (:mod:`~.vllm_release`), else the
-        venv's."""
-        if self.release is None:
-            return import_minimax_m3("amd.ops.sparse_pa")
-        return self.release.load_first(KERNEL_FILE)
-
-    def availability(self) -> Availability:
-        """vLLM's Triton builder must run here and its module import (a named release must
-        have the MiniMax-M3 AITER decode); real AITER besides unless emulated."""
-        if self.release_error:
-            return Availability(False, self.release_error)
-        lacks = self.release and self.release.lacks(KERNEL_FILE, what="MiniMax-M3 AITER decode")
-        if lacks:
-            return Availability(False, lacks)
-        triton = triton_availability()
-        if not triton.available:
-            return triton
+    def kernel_availability(self) -> Availability:
+        """Real AITER unless emulated; then vLLM's module must import (a named release's
+        imports are the release loader's)."""
         if not self.emulated and not (real := aiter_availability()).available:
             return real
-        if self.release is not None:  # its imports are the release loader's
-            return Availability(True)
-        return kernel_availability("amd.ops.sparse_pa")
+        return super().kernel_availability()
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """What ``pa_decode_gluon`` refuses; then rows vLLM's builder cuts short (F14)."""
@@ -148,26 +120,22 @@ class VllmAiter(GluonCaller):
     def versions(self) -> dict[str, str]:
         """vLLM's version, path and how its kernel modules were loaded; AITER's version and
         commit, or the emulator's revision."""
-        import triton
-
-        versions = {"torch": torch.__version__, "triton": triton.__version__}
-        if self.release is not None:
-            try:
-                self._sparse_pa()
-                loading = self.release.loading()
-            except Exception as exc:  # the run reports it as the backend's error
-                loading = f"loading failed: {exc!r}"
-            versions |= {"vllm": self.release.version, "vllm_path": str(self.release.package),
-                         "vllm_loading": f"{loading} ({vllm_version()})"}
-        else:
-            import_minimax_m3("amd.ops.sparse_pa")
-            versions |= {"vllm": vllm_version(), "vllm_path": vllm_location(),
-                         "vllm_loading": minimax_m3_loading()}
+        versions = {"torch": torch.__version__, **self.vllm_versions()}
         return {**self._kernel_versions(), **versions}
+
+    def _aiter_for(self, case: Case) -> contextlib.AbstractContextManager[object]:
+        """What vLLM's ``from aiter ... import`` lines find during the call: the installed
+        AITER, or the emulator's fake modules."""
+        if not self.emulated:
+            return contextlib.nullcontext()
+        # shadow_real: where the real AITER is also installed, this backend still means the
+        # emulator; the fake modules are gone again when the call returns.
+        return installed_as_aiter(self.options["revision"], emulated_arch(case),
+                                  shadow_real=True)
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """``minimax_m3_sparse_attn_decode_aiter`` over every query row."""
-        sparse_pa = self._sparse_pa()
+        sparse_pa = self.kernel_module()
         case = inputs.case
         cache = inputs.cache("shuffled")
         output = inputs.output(torch_dtype(case.query_dtype))
@@ -179,14 +147,8 @@ class VllmAiter(GluonCaller):
                          seq_lens=inputs.seq_lens(), num_kv_heads=case.num_kv_heads,
                          sm_scale=case.softmax_scale, output=output, k_scale=k_scale,
                          v_scale=v_scale, decode_query_len=case.decode_query_len)
-        if not self.emulated:
+        with self._aiter_for(case):
             decode(**arguments)
-        else:
-            # shadow_real: where the real AITER is also installed, this backend still means
-            # the emulator; the fake modules are gone again when the call returns.
-            with installed_as_aiter(self.options["revision"], emulated_arch(case),
-                                    shadow_real=True):
-                decode(**arguments)
         pages = f"{case.kv_dtype} {case.kv_layout} {{}} pages"
         inputs.state(kernel_call(decode, arguments, labels={
             **sparse_decode_labels(case, arguments),

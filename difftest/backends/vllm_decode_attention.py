@@ -29,20 +29,12 @@ from typing import Any
 
 import torch
 
-from difftest.backends.vllm_imports import (
-    import_vllm_kernel,
-    triton_availability,
-    vllm_version,
-)
-from difftest.backends.vllm_release import chosen_release, release_option
+from difftest.backends.vllm_adapter import VllmAdapter
 from difftest.case.spec import Case
-from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
-from difftest.machine import devices
 from difftest.primitives.dtypes import torch_dtype
 
-KERNEL_FILE = "v1/attention/ops/triton_decode_attention.py"
-MODULE = "vllm.v1.attention.ops.triton_decode_attention"
 DEFAULT_SPLITS = 4
 INTERPRETER_BF16_FINDING = (
     "bfloat16 queries or caches under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
@@ -56,41 +48,33 @@ FIXED = {
 }
 
 
-class VllmDecodeAttention:
+class VllmDecodeAttention(VllmAdapter):
     """Adapter from a case to ``vllm.v1.attention.ops.triton_decode_attention``."""
 
+    base = "vllm-decode-attention"
+    kernel_files = ("v1/attention/ops/triton_decode_attention.py",)
+    kernel_module_name = "vllm.v1.attention.ops.triton_decode_attention"
+    bf16_dots = ("query_dtype", "kv_dtype")  # P @ V is a dot in V's dtype
+    interpreter_bf16_finding = INTERPRETER_BF16_FINDING
     in_page_orders = ("plain",)
-    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, vllm: str | None = None) -> None:
-        self.release, self.release_error = chosen_release(vllm)
-        self.name = f"vllm-decode-attention[vllm={vllm}]" if vllm else "vllm-decode-attention"
-        self._module: Any = None
+        super().__init__(vllm)
 
     def with_options(self, options: Mapping[str, str]) -> VllmDecodeAttention:
         """``vllm=<version or path>``: the vLLM release whose kernel runs."""
-        return VllmDecodeAttention(release_option("vllm-decode-attention", options))
-
-    def availability(self) -> Availability:
-        """Needs vLLM (the chosen release's kernel file), and a GPU or the interpreter."""
-        if self.release_error:
-            return Availability(False, self.release_error)
-        lacks = self.release and self.release.lacks(KERNEL_FILE)
-        if lacks:
-            return Availability(False, lacks)
-        return triton_availability()
+        free, _ = self.split_options(options)
+        return VllmDecodeAttention(**free)
 
     def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
         """bf16 queries or a bf16 cache under the interpreter (F1); fp8 queries (no such
         parameter); e4m3fnuz on NVIDIA GPUs."""
-        if device.type == "cpu" and "bfloat16" in (case.query_dtype, case.kv_dtype):
-            return INTERPRETER_BF16_FINDING  # P @ V is a dot in V's dtype
+        reason = self.interpreter_bf16_reason(case, device)
+        if reason:
+            return reason
         if case.q_scale:
             return "decode_attention_fwd has no query descale (fp8 queries)"
-        if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
-                devices.gpu_vendor() == "nvidia"):
-            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
-        return None
+        return self.fnuz_reason(case, device)
 
     def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
         """What older releases lack: the sliding window (before 0.34.0) and fp8 caches
@@ -107,11 +91,11 @@ class VllmDecodeAttention:
         reason = self.unsupported_in_every_release(case, device)
         if reason is not None:
             return reason
-        version = self.release.version if self.release else vllm_version()
         if case.sliding_window and "sliding_window" not in self._parameters():
-            return f"vLLM {version}'s decode_attention_fwd has no sliding window"
+            return f"vLLM {self.version()}'s decode_attention_fwd has no sliding window"
         if case.is_fp8 and "k_scale" not in self._parameters():
-            return f"vLLM {version}'s decode_attention_fwd has no k_scale/v_scale (fp8 caches)"
+            return (f"vLLM {self.version()}'s decode_attention_fwd has no k_scale/v_scale "
+                    "(fp8 caches)")
         return None
 
     def precision(self, case: Case, device: torch.device) -> Precision:
@@ -131,32 +115,12 @@ class VllmDecodeAttention:
         """Stage 2 writes ``0 / 0`` (NaN) on a row of context 0."""
         return EmptyRowOutput.UNDEFINED
 
-    def versions(self) -> dict[str, str]:
-        """vLLM and Triton versions."""
-        import triton
-
-        versions = {"vllm": vllm_version(), "triton": triton.__version__,
-                    "triton_interpret": str(devices.interpreted())}
-        if self.release is not None:
-            versions.update(vllm=self.release.version, vllm_path=str(self.release.package))
-        return versions
-
     def _parameters(self) -> tuple[str, ...]:
-        return tuple(inspect.signature(self._load().decode_attention_fwd).parameters)
-
-    def _load(self) -> Any:
-        if self._module is None:
-            if self.release is None:
-                self._module = import_vllm_kernel(MODULE)
-            else:
-                release = self.release
-                self._module = import_vllm_kernel(MODULE,
-                                                  lambda: release.load_first(KERNEL_FILE))
-        return self._module
+        return tuple(inspect.signature(self.kernel_module().decode_attention_fwd).parameters)
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``decode_attention_fwd`` call over all query rows."""
-        decode_attention_fwd = self._load().decode_attention_fwd
+        decode_attention_fwd = self.kernel_module().decode_attention_fwd
         case = inputs.case
         views = inputs.cache("plain")
         table, ctx = inputs.sparse_table

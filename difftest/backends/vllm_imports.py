@@ -16,6 +16,7 @@ import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -172,3 +173,37 @@ def import_vllm_kernel(module: str, load: Callable[[], types.ModuleType] | None 
                 module.removeprefix("vllm"))]:
             del sys.modules[name]
         return loader()
+
+
+def load_vllm_kernel(tree: str | None, device: str, module: str, name: str) -> Any:
+    """``name`` of vLLM's module ``module``: of the installed vLLM, or of the one in ``tree``
+    (a directory holding a ``vllm`` package, put first on the path). Self-contained:
+    ``difftest export`` copies it into its scripts (:mod:`difftest.contract.exported_call`).
+
+    Where ``vllm._custom_ops`` cannot be imported (vLLM's sources without their serving
+    dependencies), a stand-in that raises on use takes its place, as
+    :func:`import_vllm_kernel` does: Triton kernels never use the compiled ops. ``device``
+    needs nothing here: the script sets the CPU's environment before this runs.
+    """
+    import importlib
+    import sys
+    import types
+
+    if tree:
+        sys.path.insert(0, tree)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as err:
+        if "vllm._custom_ops" in sys.modules:
+            raise
+        reason = f"{type(err).__name__}: {err}"
+
+        def missing(attribute: str) -> Any:
+            raise AttributeError(f"vllm._custom_ops.{attribute}: vLLM's compiled ops are not "
+                                 f"importable here ({reason})")
+
+        stand_in = types.ModuleType("vllm._custom_ops")
+        stand_in.__getattr__ = missing  # type: ignore[method-assign]
+        sys.modules["vllm._custom_ops"] = stand_in
+        sys.modules.pop(module, None)
+        return getattr(importlib.import_module(module), name)

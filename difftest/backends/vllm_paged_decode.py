@@ -31,36 +31,26 @@ vLLM 0.34.0's RDNA warps and stages) and the backend states the arguments it pas
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from difftest.backends.vllm_arch import OnceLogger, arch_note, arch_of, record_launches
-from difftest.backends.vllm_imports import (
-    import_vllm_kernel,
-    triton_availability,
-    triton_precision,
-    vllm_location,
-    vllm_version,
-)
-from difftest.backends.vllm_release import Release, chosen_release, resolve
+from difftest.backends.vllm_adapter import INTERPRETER_BF16_FINDING, VllmAdapter
+from difftest.backends.vllm_arch import OnceLogger
+from difftest.backends.vllm_imports import load_vllm_kernel, triton_precision
 from difftest.case.selection import build_rows
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.exported_call import ExportedCall, KernelImport
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.machine import devices
 from difftest.primitives.dtypes import torch_dtype
 
-KERNEL_FILE = "v1/attention/ops/chunked_prefill_paged_decode.py"
-MODULE = "vllm.v1.attention.ops.chunked_prefill_paged_decode"
 MAX_TRITON_BLOCK_SIZE = 128  # the wrapper's cap on the Triton tile
 NON_POW2_TILE = 32  # the wrapper's tile for page sizes that are not a power of 2
-INTERPRETER_BF16_FINDING = (
-    "bfloat16 queries under TRITON_INTERPRET=1 are miscomputed by Triton's interpreter "
-    "(pinned finding F1, tests/test_findings.py::test_interpreter_miscomputes_bf16); "
-    "bfloat16 runs on GPUs")
 M3 = "MiniMax-M3's decode"
 SHAPES = ("follows from the cache's shapes (head size, KV heads, page size): one value "
           "over cases of one geometry, such as the sparse family's MiniMax-M3 pages")
@@ -97,48 +87,42 @@ FIXED = {
 KV_CACHE_DTYPES = {"float8_e4m3fn": "fp8", "float8_e4m3fnuz": "fp8", "float8_e5m2": "fp8_e5m2"}
 
 
-class VllmPagedDecode:
+class VllmPagedDecode(VllmAdapter):
     """Adapter from a case to vLLM's Triton ``kernel_paged_attention_2d``."""
 
-    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
+    base = "vllm-paged-decode"
+    kernel_files = ("v1/attention/ops/chunked_prefill_paged_decode.py",)
+    kernel_module_name = "vllm.v1.attention.ops.chunked_prefill_paged_decode"
+    free_options = ("vllm", "arch")
+    arch_launches = ("kernel_paged_attention_2d",)
+    interpreter_bf16_finding = INTERPRETER_BF16_FINDING
 
     def __init__(self, vllm: str | None = None, arch: str | None = None) -> None:
-        self.release, self.release_error = chosen_release(vllm)
-        self.arch = arch_of(arch) if arch else None
-        given = [f"vllm={vllm}"] * bool(vllm) + [f"arch={arch}"] * bool(arch)
-        self.name = f"vllm-paged-decode[{','.join(given)}]" if given else "vllm-paged-decode"
-        self._kernel: Callable[..., Any] | None = None
-        self._module: Any = None
+        super().__init__(vllm, arch)
 
     def with_options(self, options: Mapping[str, str]) -> VllmPagedDecode:
         """``vllm=<version or path>``: the vLLM release whose kernel runs; ``arch=<gfx...>``:
         its ``chunked_prefill_paged_decode`` runs, launching as for that AMD GPU."""
-        unknown = sorted(set(options) - {"vllm", "arch"})
-        if unknown:
-            raise ValueError(f"vllm-paged-decode: unknown option {unknown[0]!r} (options: "
-                             "vllm, arch)")
-        return VllmPagedDecode(options.get("vllm"), options.get("arch"))
+        free, _ = self.split_options(options)
+        return VllmPagedDecode(**free)
 
-    def availability(self) -> Availability:
-        """Needs vLLM (the chosen release's kernel file) with the interleaved-V mode, and a
-        GPU or the Triton interpreter."""
-        if self.release_error:
-            return Availability(False, self.release_error)
-        lacks = self.release and self.release.lacks(KERNEL_FILE)
-        if lacks:
-            return Availability(False, lacks)
-        available = triton_availability()
-        if not available.available:
-            return available
+    def kernel_availability(self) -> Availability:
+        """The release's kernel file must load here, and its kernel take a 5-D K cache."""
         try:
             params = self._parameters()
         except Exception as err:  # a release whose kernel file does not load here
-            return Availability(False, f"vLLM {self._version()}'s {KERNEL_FILE} does not "
-                                f"load: {type(err).__name__}: {err}")
+            return Availability(False, f"vLLM {self.version()}'s {self.kernel_files[0]} does "
+                                f"not load: {type(err).__name__}: {err}")
         if "stride_k_cache_4" not in params:
-            return Availability(False, f"vLLM {self._version()}'s kernel_paged_attention_2d "
+            return Availability(False, f"vLLM {self.version()}'s kernel_paged_attention_2d "
                                 "has no 5-D K cache")
-        return available
+        return Availability(True)
+
+    def on_arch_loaded(self, module: types.ModuleType) -> None:
+        """The launch hook (the arguments the wrapper passed), and a logger with vLLM's
+        ``*_once`` methods that needs no serving stack."""
+        super().on_arch_loaded(module)
+        module.logger = OnceLogger(module.__name__)  # type: ignore[attr-defined]
 
     @property
     def in_page_orders(self) -> tuple[str, ...]:
@@ -156,13 +140,14 @@ class VllmPagedDecode:
         """bf16 queries under the interpreter (F1); softcap and fp8 queries (no such
         parameter); a 16/32-bit cache of another dtype than the query (``tl.dot`` of q and
         K); e4m3fnuz on NVIDIA GPUs."""
-        if device.type == "cpu" and case.query_dtype == "bfloat16":
-            return INTERPRETER_BF16_FINDING
+        reason = self.interpreter_bf16_reason(case, device)
+        if reason:
+            return reason
         if case.softcap:
             return "kernel_paged_attention_2d has no logit softcap"
         if self.in_page_orders[0] not in case.layout.in_page_orders:
             return (f"the {case.kv_layout} layout has no {self.in_page_orders[0]} pages: "
-                    f"vLLM {self._version()}'s ROCM_ATTN decode reads AITER's shuffled cache "
+                    f"vLLM {self.version()}'s ROCM_ATTN decode reads AITER's shuffled cache "
                     "through its interleaved-V mode (the standard-V mode over plain pages runs "
                     "on releases without it)")
         if case.q_scale:
@@ -170,9 +155,9 @@ class VllmPagedDecode:
         if not case.is_fp8 and case.query_dtype != case.kv_dtype:
             return (f"kernel_paged_attention_2d dequantises only fp8 K/V to the query dtype: "
                     f"a {case.kv_dtype} cache needs {case.kv_dtype} queries (tl.dot)")
-        if device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz" and (
-                devices.gpu_vendor() == "nvidia"):
-            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
+        reason = self.fnuz_reason(case, device)
+        if reason:
+            return reason
         if (self.arch is not None and KV_CACHE_DTYPES.get(case.kv_dtype) == "fp8"
                 and case.kv_dtype != self.arch.fp8):
             return (f"a {case.kv_dtype} cache under arch={self.arch.name}: "
@@ -190,46 +175,19 @@ class VllmPagedDecode:
 
     def versions(self) -> dict[str, str]:
         """vLLM and Triton versions, and what runs."""
-        import triton
-
-        versions = {"vllm": vllm_version(), "triton": triton.__version__,
-                    "triton_interpret": str(devices.interpreted()),
-                    "kernel": "kernel_paged_attention_2d (Triton), launched as "
-                              "chunked_prefill_paged_decode's Triton branch launches it"}
-        if self.release is not None:
-            versions.update(vllm=self.release.version, vllm_path=str(self.release.package))
-        if self.arch is not None:
-            release = self._release()
-            versions.update(vllm=release.version, vllm_path=str(release.package),
-                            arch=arch_note(self.arch),
-                            kernel="kernel_paged_attention_2d (Triton), launched by the "
-                                   "release's chunked_prefill_paged_decode")
-        return versions
-
-    def _release(self) -> Release:
-        """The release an arch-emulated run loads: the named one, else the venv's tree."""
-        return self.release or resolve(vllm_location())
-
-    def _version(self) -> str:
-        return self.release.version if self.release else vllm_version()
+        kernel = ("kernel_paged_attention_2d (Triton), launched by the release's "
+                  "chunked_prefill_paged_decode" if self.arch is not None else
+                  "kernel_paged_attention_2d (Triton), launched as "
+                  "chunked_prefill_paged_decode's Triton branch launches it")
+        return {**self.vllm_versions(), "kernel": kernel}
 
     def _parameters(self) -> tuple[str, ...]:
         return tuple(self._load().arg_names)
 
     def _load(self) -> Any:
-        """The chosen release's ``kernel_paged_attention_2d`` (looked up once)."""
-        if self._kernel is None:
-            if self.release is None and self.arch is None:
-                module = import_vllm_kernel(MODULE)
-            else:
-                release, arch = self._release(), self.arch and self.arch.name
-                module = import_vllm_kernel(
-                    MODULE, lambda: release.load_first(KERNEL_FILE, arch=arch))
-            if self.arch is not None:  # the launch hook: the arguments the wrapper passed
-                record_launches(module, ("kernel_paged_attention_2d",))
-                module.logger = OnceLogger(module.__name__)
-            self._module, self._kernel = module, module.kernel_paged_attention_2d
-        return self._kernel
+        """The chosen release's ``kernel_paged_attention_2d`` (under ``arch=``, its launch
+        recorder)."""
+        return self.kernel_module().kernel_paged_attention_2d
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One launch over all query rows (grid: rows x KV heads)."""
@@ -275,6 +233,8 @@ class VllmPagedDecode:
         if interleaved:
             arguments["INTERLEAVED_V_PACK_FACTOR"] = x
         if self.arch is None:
+            inputs.export_call(ExportedCall(self._kernel_import(), "kernel_paged_attention_2d",
+                                            arguments, (case.total_q, nkv), "output_ptr"))
             kernel[(case.total_q, nkv)](**arguments)
         else:
             arguments = self._through_the_wrapper(inputs, arguments)
@@ -289,6 +249,13 @@ class VllmPagedDecode:
         }, fixed=FIXED, sizes={"num_kv_heads": (nkv, "key_cache.shape[1], grid[1]")}))
         return out
 
+    def _kernel_import(self) -> KernelImport:
+        """How a script outside difftest gets this ``kernel_paged_attention_2d``: from the
+        installed vLLM, or from a tree given to it (the recorded one: this release's)."""
+        tree = str(self.release.package.parent) if self.release is not None else ""
+        options = {"module": self.kernel_module_name, "name": "kernel_paged_attention_2d"}
+        return KernelImport("vllm", load_vllm_kernel, options, tree)
+
     def _through_the_wrapper(self, inputs: RunInputs, arguments: dict[str, Any]
                              ) -> dict[str, Any]:
         """Call the release's ``chunked_prefill_paged_decode`` on the tensors of
@@ -297,7 +264,7 @@ class VllmPagedDecode:
         case = inputs.case
         ctx = arguments["seq_lens_ptr"]
         extra = {"use_interleaved_v_cache": True} if self._interleaved() else {}
-        self._module.chunked_prefill_paged_decode(
+        self.kernel_module().chunked_prefill_paged_decode(
             query=arguments["query_ptr"], key=None, value=None, output=arguments["output_ptr"],
             kv_cache_dtype=KV_CACHE_DTYPES.get(case.kv_dtype, "auto"),
             key_cache=arguments["key_cache_ptr"], value_cache=arguments["value_cache_ptr"],
@@ -306,8 +273,8 @@ class VllmPagedDecode:
             max_seq_len=int(ctx.max()), max_query_len=1, k_scale=arguments["k_scale"],
             v_scale=arguments["v_scale"], sliding_window=case.sliding_window,
             sm_scale=case.softmax_scale, **extra)
-        passed = self._kernel.last
-        return {name: value for name, value in passed.items() if name in self._kernel.arg_names}
+        kernel = self._load()
+        return {name: value for name, value in kernel.last.items() if name in kernel.arg_names}
 
 
 def loads_unread_slots_outside_the_window(case: Case, versions: Mapping[str, str]) -> bool:

@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -297,15 +297,6 @@ def release_specs(names: Iterable[str]) -> list[str]:
     """The ``vllm=`` values of backend names, and ``$DIFFTEST_VLLM``'s, in order."""
     found = re.findall(r"[\[,]vllm=([^,\]]+)", ",".join(names))
     return found + ([os.environ[RELEASE_ENV]] if os.environ.get(RELEASE_ENV) else [])
-
-
-def release_option(backend: str, options: Mapping[str, str]) -> str | None:
-    """The ``vllm=<version or path>`` option of a backend that takes no other (``None``
-    when absent); another option raises ``ValueError`` naming the one allowed."""
-    unknown = sorted(set(options) - {"vllm"})
-    if unknown:
-        raise ValueError(f"{backend}: unknown option {unknown[0]!r} (options: vllm)")
-    return options.get("vllm")
 
 
 def chosen_release(option: str | None) -> tuple[Release | None, str]:

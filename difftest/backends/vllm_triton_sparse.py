@@ -35,28 +35,18 @@ releases without the MiniMax-M3 decode are unavailable, with the reason.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from difftest.backends.vllm_imports import (
-    import_minimax_m3,
-    kernel_availability,
-    minimax_m3_loading,
-    triton_availability,
-    triton_precision,
-    vllm_location,
-    vllm_version,
-)
-from difftest.backends.vllm_release import chosen_release
+from difftest.backends.vllm_adapter import VllmAdapter
+from difftest.backends.vllm_imports import triton_precision
 from difftest.case.selection import portable_reading_differs, selection_is_canonical
 from difftest.case.spec import Case
-from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
+from difftest.contract.backend import EmptyRowOutput, Precision, RunInputs
 from difftest.contract.kernel_call import id_classes, kernel_call, length_classes, scale_class
 from difftest.contract.registry import OptionSpec
-from difftest.machine import devices
 from difftest.primitives.dtypes import torch_dtype
 
 IRREGULAR_FINDING = (
@@ -70,7 +60,6 @@ INTERPRETER_BF16_FINDING = (
     "minimax_m3_sparse_attn_decode (pinned finding F3, tests/test_vllm_triton_sparse.py); "
     "bfloat16 runs on GPUs"
 )
-KERNEL_FILE = "models/minimax_m3/common/ops/sparse_attn.py"
 OPTIONS = OptionSpec("vllm-triton-sparse", {"irregular": ("refuse", "accept"),
                                             "interpreter_bf16": ("refuse", "accept")})
 
@@ -89,39 +78,27 @@ def block_sides(view: torch.Tensor, block_page_stride: int, num_blocks: int,
     return view.as_strided(size, stride, view.storage_offset())
 
 
-class VllmTritonSparse:
+class VllmTritonSparse(VllmAdapter):
     """Adapter from a case to vLLM's ``minimax_m3_sparse_attn_decode``."""
 
+    base = OPTIONS.base
+    kernel_files = ("models/minimax_m3/common/ops/sparse_attn.py",)
+    kernel_module_name = "vllm.models.minimax_m3.common.ops.sparse_attn"
+    kernel_what = "MiniMax-M3 sparse decode"
+    interpreter_bf16_finding = INTERPRETER_BF16_FINDING
     in_page_orders = ("plain",)
     releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
-        options = dict(options or {})
-        spec = options.pop("vllm", None)
-        self.release, self.release_error = chosen_release(spec)
-        self.options = OPTIONS.parse(options)
-        name = OPTIONS.name(self.options)
-        if spec:  # a free-form value: listed after the others, as given
-            name = (f"{name[:-1]},vllm={spec}]" if name.endswith("]")
-                    else f"{name}[vllm={spec}]")
-        self.name = name
+        free, own = self.split_options(options or {}, own=True)
+        self.options = OPTIONS.parse(own)
+        super().__init__(**free, name=OPTIONS.name(self.options),
+                         allow_interpreter_bf16=self.options["interpreter_bf16"] == "accept")
 
     def with_options(self, options: Mapping[str, str]) -> VllmTritonSparse:
         """The same backend configured by ``options`` (relative to the defaults);
         ``vllm=<version or path>`` names the vLLM release whose decode runs."""
         return VllmTritonSparse(options)
-
-    def availability(self) -> Availability:
-        """Needs vLLM (a named release must have the decode), and a GPU or the interpreter."""
-        if self.release_error:
-            return Availability(False, self.release_error)
-        lacks = self.release and self.release.lacks(KERNEL_FILE, what="MiniMax-M3 sparse decode")
-        if lacks:
-            return Availability(False, lacks)
-        triton = triton_availability()
-        if not triton.available or self.release is not None:
-            return triton
-        return kernel_availability("common.ops.sparse_attn")
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """Kernel modes, irregular selections it reads differently (F4), interpreted bf16,
@@ -137,17 +114,14 @@ class VllmTritonSparse:
         if self.options["irregular"] == "refuse" and not selection_is_canonical(case):
             if portable_reading_differs(case):
                 return IRREGULAR_FINDING
-        if (device.type == "cpu" and case.query_dtype == "bfloat16"
-                and self.options["interpreter_bf16"] == "refuse"):
-            return INTERPRETER_BF16_FINDING
+        reason = self.interpreter_bf16_reason(case, device)
+        if reason:
+            return reason
         if not case.is_fp8 and case.query_dtype != case.kv_dtype:
             return (f"a {case.kv_dtype} cache needs {case.kv_dtype} queries: only fp8 K/V are "
                     f"cast to the query dtype, and tl.dot rejects {case.query_dtype} x "
                     f"{case.kv_dtype} (pinned finding F5)")
-        if (device.type == "cuda" and case.kv_dtype == "float8_e4m3fnuz"
-                and devices.gpu_vendor() == "nvidia"):
-            return "float8_e4m3fnuz is an AMD format; Triton on NVIDIA GPUs has no such type"
-        return None
+        return self.fnuz_reason(case, device)
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """K/V (dequantised) and P in the query dtype, partials and output in the query dtype;
@@ -159,32 +133,13 @@ class VllmTritonSparse:
         return EmptyRowOutput.UNDEFINED
 
     def versions(self) -> dict[str, str]:
-        """vLLM's version, path and loading; Triton's, and whether it is interpreted."""
-        import triton
-
-        versions = {"triton": triton.__version__,
-                    "triton_interpret": str(devices.interpreted()), **self.options}
-        if self.release is not None:
-            try:
-                self._sparse_attn()
-                loading = self.release.loading()
-            except Exception as exc:  # the run reports it as the backend's error
-                loading = f"loading failed: {exc!r}"
-            return {"vllm": self.release.version, "vllm_path": str(self.release.package),
-                    "vllm_loading": f"{loading} ({vllm_version()})", **versions}
-        import_minimax_m3("common.ops.sparse_attn")
-        return {"vllm": vllm_version(), "vllm_path": vllm_location(),
-                "vllm_loading": minimax_m3_loading(), **versions}
-
-    def _sparse_attn(self) -> types.ModuleType:
-        """The chosen release's ``sparse_attn.py`` (:mod:`~.vllm_release`), else the venv's."""
-        if self.release is None:
-            return import_minimax_m3("common.ops.sparse_attn")
-        return self.release.load_first(KERNEL_FILE)
+        """vLLM's version, path and loading; Triton's, and whether it is interpreted; the
+        options."""
+        return {**self.vllm_versions(), **self.options}
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         """One ``minimax_m3_sparse_attn_decode`` call over every query row."""
-        sparse_attn = self._sparse_attn()
+        sparse_attn = self.kernel_module()
         case = inputs.case
         cache = inputs.cache("plain")
         sides = [block_sides(view, cache.block_page_stride, case.num_blocks, case.block_size)

@@ -13,12 +13,15 @@ import json
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from difftest.case.layouts import LAYOUTS, KVLayout
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
 CASE_SCHEMA = "difftest.case/1"
+# its JSON Schema (package data): the fields and their ranges that need no other field
+CASE_JSON_SCHEMA = Path(__file__).with_name("case.schema.json")
 BLOCK_SIZE = 128
 PAGE_SIZE = 16
 HEAD_DIM = 128

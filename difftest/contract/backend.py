@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol, TypeGuard, runtime_checkable
 
@@ -26,6 +26,7 @@ import torch
 
 from difftest.case.selection import SparseRow, build_rows, page_table
 from difftest.case.spec import Case
+from difftest.contract.exported_call import ExportedCall
 from difftest.contract.kernel_call import KernelCall
 from difftest.inputs.case_data import CaseData, generate
 from difftest.inputs.kv_cache import CachePool, CacheViews, build_cache
@@ -125,6 +126,12 @@ class ReferenceBackend(Backend, Protocol):
         """The float64 output of ``inputs.case`` and the magnitudes its tolerance needs."""
         ...
 
+    def working_bytes(self, case: Case) -> int:
+        """The memory :meth:`reference` allocates for ``case`` beyond the case's inputs and
+        its outputs (an upper bound of its scratch): the runner refuses a case the device
+        cannot hold before anything is allocated (:mod:`difftest.run.footprint`)."""
+        ...
+
 
 @runtime_checkable
 class ConfigurableBackend(Backend, Protocol):
@@ -191,14 +198,18 @@ def releases_taken(backend: Backend) -> tuple[str, ...]:
     return tuple(getattr(backend, "releases", ()) or ())
 
 
+REFERENCE_METHODS = ("reference", "working_bytes")  # what ReferenceBackend adds to Backend
+
+
 def serves_as_reference(backend: Backend) -> TypeGuard[ReferenceBackend]:
-    """Whether ``backend`` has ``reference()``, looked up dynamically.
+    """Whether ``backend`` has the methods of :data:`REFERENCE_METHODS`, looked up
+    dynamically.
 
     Not ``isinstance(backend, ReferenceBackend)``: from Python 3.12 a runtime-checkable
     protocol reads attributes statically (``inspect.getattr_static``), so the registry's guard,
     which delegates through ``__getattr__``, would never match.
     """
-    return callable(getattr(backend, "reference", None))
+    return all(callable(getattr(backend, method, None)) for method in REFERENCE_METHODS)
 
 
 def takes_options(backend: Backend) -> TypeGuard[ConfigurableBackend]:
@@ -215,6 +226,8 @@ class RunInputs:
     built in (the same bytes; valid until the pool's next case); without one each cache is a
     fresh :func:`~difftest.inputs.kv_cache.build_cache`. ``calls``: the kernel calls the running
     backend stated (:meth:`state`); the runner empties it before each backend runs.
+    ``exported``: the calls a backend stated by value (:meth:`export_call`), kept only where
+    an export set it to a list (``None``: not kept).
     """
 
     case: Case
@@ -222,11 +235,23 @@ class RunInputs:
     _caches: dict[str, CacheViews] = field(default_factory=dict, repr=False)
     pool: CachePool | None = field(default=None, repr=False)
     calls: list[KernelCall] = field(default_factory=list, repr=False)
+    exported: list[ExportedCall] | None = field(default=None, repr=False)
 
     def state(self, call: KernelCall) -> None:
         """Record the statement of a kernel call the running backend made
         (:func:`difftest.contract.kernel_call.kernel_call`, from the arguments it made it with)."""
         self.calls.append(call)
+
+    def export_call(self, call: ExportedCall) -> None:
+        """Keep the values of a kernel call the running backend is about to make, where an
+        export asks for them (:mod:`difftest.contract.exported_call`); the output argument
+        is copied now, before the kernel writes it."""
+        if self.exported is None:
+            return
+        arguments = dict(call.arguments)
+        if call.output is not None and isinstance(arguments.get(call.output), torch.Tensor):
+            arguments[call.output] = arguments[call.output].clone()
+        self.exported.append(replace(call, arguments=arguments))
 
     @cached_property
     def data(self) -> CaseData:

@@ -15,7 +15,7 @@ import enum
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,11 +36,37 @@ class StatedArgument:
 
 
 @dataclass(frozen=True)
+class DeviceCode:
+    """One GPU kernel a call compiled, for one arch: what the gate compares between reports.
+
+    ``specialization`` is the text key of what determines the binary (the constexprs, and each
+    other argument's type and divisibility); ``sha256`` hashes the machine code (the code
+    object's ``.text``); ``vgprs``/``sgprs`` and ``spills`` (VGPRs spilled to scratch plus
+    SGPRs spilled to VGPR lanes) come from the code object's metadata, ``lds_bytes`` is the
+    workgroup's shared memory, ``occupancy`` the waves per SIMD registers and LDS allow."""
+
+    kernel: str
+    arch: str
+    specialization: str
+    sha256: str
+    vgprs: int
+    sgprs: int
+    lds_bytes: int
+    spills: int
+    occupancy: int
+
+
+@dataclass(frozen=True)
 class KernelCall:
-    """The statement of one kernel call: the kernel's name and its parameters, in order."""
+    """The statement of one kernel call: the kernel's name and its parameters, in order;
+    ``device_code``: the GPU kernels it compiled, where a backend compiles them for an arch
+    instead of running them (``aiter-gluon@compiled``)."""
 
     kernel: str
     arguments: dict[str, StatedArgument] = field(default_factory=dict)
+    device_code: list[DeviceCode] = field(default_factory=list)
+
+    READ_OPTIONAL: ClassVar[frozenset[str]] = frozenset({"device_code"})  # reports before it
 
 
 def kernel_name(kernel: Callable[..., Any]) -> str:

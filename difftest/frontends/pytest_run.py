@@ -400,14 +400,17 @@ class DifftestRun:
                           f"/{self.shard.count}" for c in cases)
         pytest.skip(f"case {where}, not {self.shard}")
 
-    def check(self, case: Case) -> CaseResult:
-        """Run ``case`` (if in this shard), log it, and fail the test if any backend failed."""
+    def check(self, case: Case, backends: tuple[str, ...] | None = None) -> CaseResult:
+        """Run ``case`` (if in this shard) on ``backends`` (default: every configured one),
+        log it, and fail the test if any backend failed."""
         self._outside_shard([case])
-        return self._run(case, None)
+        return self._run(case, backends)
 
-    def check_example(self, case: Case) -> list[CaseResult]:
+    def check_example(self, case: Case, backends: tuple[str, ...] | None = None
+                      ) -> list[CaseResult]:
         """Run a generated example: every backend runs the drawn case or the variant fitted
-        to it (:meth:`difftest.generation.capabilities.Capabilities.fit`), the runs in this shard
+        to it (:meth:`difftest.generation.capabilities.Capabilities.fit`), or only
+        ``backends`` run the drawn case (drawn over what they run); the runs in this shard
         only; fail the test on the first run where a backend failed. Past the search budget,
         stop the test with :class:`SearchBudgetSpent` instead."""
         now = time.monotonic()
@@ -417,10 +420,11 @@ class DifftestRun:
             raise SearchBudgetSpent(self._item_examples, self.search_budget,
                                     self._item_failure)
         self._item_examples += 1
-        runs = self.capabilities().fit(case)
-        self._outside_shard([f.case for f in runs])
-        return [self._run(f.case, f.backends) for f in runs
-                if self.shard is None or self.shard.contains(f.case)]
+        runs = ([(f.case, f.backends) for f in self.capabilities().fit(case)]
+                if backends is None else [(case, backends)])
+        self._outside_shard([run_case for run_case, _ in runs])
+        return [self._run(run_case, names) for run_case, names in runs
+                if self.shard is None or self.shard.contains(run_case)]
 
     def _run(self, case: Case, backends: tuple[str, ...] | None) -> CaseResult:
         """Run ``case`` on ``backends`` (all when ``None``), log it, fail on a failure."""

@@ -285,9 +285,15 @@ class Capabilities:
 
     def strategy(self, **options: Any) -> st.SearchStrategy[Case]:
         """:func:`~difftest.generation.strategies.cases` over what some backend runs, redrawing
-        examples some backend runs in no variant; ``options`` go to it (``max_batch``, ...)."""
+        examples some backend runs in no variant; ``options`` go to it (``max_batch``, ...,
+        ``cover``)."""
         return cases(combos=self.combos, accept=self.accept, redraws=REDRAWS,
                      kernel_modes=self.draws_modes, **options)
+
+    def fitted_strategy(self, **options: Any) -> st.SearchStrategy[Case]:
+        """:meth:`strategy`'s examples, each replaced by the first of its runs (:meth:`fit`):
+        for one backend, the example or the nearest variant of it the backend runs."""
+        return self.strategy(**options).map(lambda case: self.fit(case)[0].case)
 
     def dense_strategy(self, **options: Any) -> st.SearchStrategy[Case]:
         """:func:`~difftest.generation.dense.dense_cases` over the dtype pairs some backend runs
@@ -347,6 +353,5 @@ def cases_for_backend(backend: Backend, device: torch.device,
     """What ``difftest run`` gives ``backend`` alone on ``device``: each drawn example, or
     the nearest variant of it the backend runs (:meth:`Capabilities.fit`). For hunts of one
     backend (the mutation benchmark): the modes and dtypes it refuses cost no examples."""
-    capabilities = Capabilities.probe([backend], device)
-    return capabilities.strategy(**options).map(lambda case: capabilities.fit(case)[0].case)
+    return Capabilities.probe([backend], device).fitted_strategy(**options)
 

@@ -23,15 +23,9 @@ from collections.abc import Sequence
 from hypothesis import strategies as st
 
 from difftest.case.spec import DISTRIBUTIONS, HEAD_DIMS, MAX_KV_HEADS, MAX_Q_HEADS, Case, cdiv
+from difftest.generation.cover import FREE, Cover
 from difftest.generation.modes import mode_flags, mode_plans, query_lengths
-from difftest.generation.strategies import (
-    KERNEL_MODES_ONE_IN,
-    Cover,
-    current_cover,
-    forced,
-    fp8_scales,
-    picks,
-)
+from difftest.generation.strategies import KERNEL_MODES_ONE_IN, forced, fp8_scales, picks
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
 BLOCK_SIZES = (16, 32, 64, 128, 48)  # the powers of two first: a shrink returns to 16
@@ -63,20 +57,18 @@ def dtype_pairs(query_dtypes: Sequence[str] = QUERY_DTYPES,
 
 @st.composite
 def geometries(draw: st.DrawFn, min_kv_heads: int = 1,
-               cover: Cover | None = None) -> dict[str, int | str]:
+               cover: Cover = FREE) -> dict[str, int | str]:
     """A cache geometry: layout, block and page sizes, head size, KV and query heads;
-    ``cover`` (:func:`~difftest.generation.strategies.covering`) may fix each of them."""
-    cover = cover or {}
-    layout = forced(cover, "dense_layout", draw(st.sampled_from(DENSE_LAYOUTS)),
+    ``cover`` (:class:`~difftest.generation.cover.Cover`) may fix each of them."""
+    layout = forced(cover.dense_layout, draw(st.sampled_from(DENSE_LAYOUTS)),
                     lambda v: v in DENSE_LAYOUTS)
-    block = forced(cover, "block_size", draw(st.sampled_from(BLOCK_SIZES)),
+    block = forced(cover.block_size, draw(st.sampled_from(BLOCK_SIZES)),
                    lambda v: v in BLOCK_SIZES)
-    head_dim = forced(cover, "head_dim", draw(st.sampled_from(HEAD_DIMS)),
-                      lambda v: v in HEAD_DIMS)
-    kv_heads = forced(cover, "kv_heads", draw(st.integers(min_kv_heads, MAX_KV_HEADS)),
+    head_dim = forced(cover.head_dim, draw(st.sampled_from(HEAD_DIMS)), lambda v: v in HEAD_DIMS)
+    kv_heads = forced(cover.kv_heads, draw(st.integers(min_kv_heads, MAX_KV_HEADS)),
                       lambda v: min_kv_heads <= v <= MAX_KV_HEADS)
     most = min(MAX_GQA, MAX_Q_HEADS // kv_heads)
-    group = forced(cover, "gqa", draw(st.integers(1, most)), lambda v: 1 <= v <= most)
+    group = forced(cover.gqa, draw(st.integers(1, most)), lambda v: 1 <= v <= most)
     return {"kv_layout": layout, "block_size": block,
             "page_size": 16 if layout == "LBHNC" else block, "head_dim": head_dim,
             "num_kv_heads": kv_heads, "num_q_heads": kv_heads * group}
@@ -103,23 +95,21 @@ def huge_blocks(geometry: dict[str, int | str]) -> int:
 
 @st.composite
 def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
-                kernel_modes: bool = True, huge: bool = False) -> Case:
+                kernel_modes: bool = True, huge: bool = False, cover: Cover = FREE) -> Case:
     """A dense case; ``pairs``: the ``(query_dtype, kv_dtype)`` drawn from (default: all);
     ``kernel_modes``: one case in :data:`~difftest.generation.strategies.KERNEL_MODES_ONE_IN`
-    draws them; ``huge``: a cache past 2**31 elements whose last block is attended."""
+    draws them; ``huge``: a cache past 2**31 elements whose last block is attended;
+    ``cover``: the decisions taken instead of drawn (a stratum of the covering schedule)."""
     allowed = list(pairs) if pairs is not None else list(dtype_pairs())
     if not allowed:
         raise ValueError("dense_cases: no (query_dtype, kv_dtype) pair is allowed")
-    cover = current_cover()  # the covering schedule's decisions (difftest.generation.covering)
-    modes_forced = kernel_modes and "modes" in cover
+    modes_forced = kernel_modes and cover.modes is not None
     flags = draw(mode_flags(kernel_modes))
     plan = (draw(mode_plans(flags, cover)) if modes_forced or flags % KERNEL_MODES_ONE_IN == 1
             else None)
     # a huge cache of the smallest blocks needs two KV heads to stay within MAX_NUM_BLOCKS
     geometry = draw(geometries(min_kv_heads=2 if huge else 1, cover=cover))
-    kv_dtypes = cover.get("kv_dtypes", ())
-    if "fp8_scales" in cover or (modes_forced and "q_scale" in cover["modes"]):
-        kv_dtypes = FP8_DTYPES
+    kv_dtypes = FP8_DTYPES if cover.fixes_fp8(kernel_modes) else cover.kv_dtypes
     query_dtype, kv_dtype = draw(st.sampled_from(
         [pair for pair in allowed if pair[1] in kv_dtypes] or allowed))
     block = int(geometry["block_size"])
@@ -129,16 +119,16 @@ def dense_cases(draw: st.DrawFn, *, pairs: Sequence[DtypePair] | None = None,
     requests = []
     for r in range(draw(st.integers(1, MAX_BATCH))):
         padded = r > 0 and draw(st.integers(0, 3)) == 3
-        if r == 0 and cover.get("long"):
+        if r == 0 and cover.long:
             full, tail = divmod(draw(st.integers(*LONG_REQUEST_TOKENS)) - 1, block)
             tail += 1
         else:
-            least = 1 if r == 0 and cover.get("several_blocks") and most_blocks > 1 else 0
+            least = 1 if r == 0 and cover.several_blocks and most_blocks > 1 else 0
             full = draw(st.integers(least, most_blocks - 1))
             tail = draw(st.one_of(st.just(block), st.just(1), st.integers(1, block)))
         wanted = draw(query_lengths()) if prefill else dql
         if prefill and r == 0:
-            wanted = forced(cover, "query_len", wanted)
+            wanted = forced(cover.query_len, wanted)
         query_len = min(wanted, MAX_PREFILL_QUERY, full * block + tail) if prefill else dql
         seq_len = 0 if padded else max(full * block + tail, query_len)
         requests.append((seq_len, query_len))

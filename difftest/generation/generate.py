@@ -10,15 +10,16 @@ it so:
   one time in twenty, constants it reads from the source of every *local* module in
   ``sys.modules`` (docs/findings.md F11), and its generator copies choices between examples,
   so a strategy's odds held only loosely (F16);
-* example ``i`` of the first :data:`~difftest.generation.covering.SCHEDULE` is drawn inside its
-  stratum (:func:`~difftest.generation.strategies.covering`), so every kernel mode and boundary
-  class appears in the first examples of every seed; the rest are free draws.
+* example ``i`` of the first :data:`~difftest.generation.covering.SCHEDULE` is drawn with its
+  stratum as the strategy's ``cover``, so every kernel mode and boundary class appears in the
+  first examples of every seed; the rest are free draws.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -28,8 +29,9 @@ from hypothesis.internal.conjecture.providers import AVAILABLE_PROVIDERS, Primit
 from hypothesis.internal.intervalsets import IntervalSet
 
 from difftest.case.spec import Case
+from difftest.generation.cover import FREE, Cover
 from difftest.generation.covering import SCHEDULE
-from difftest.generation.strategies import Cover, cases, covering
+from difftest.generation.strategies import cases
 
 BACKEND = "difftest-uniform"  # the name of UniformProvider among Hypothesis's backends
 EXTRA_SIZE = 16  # strings and bytes: up to this many items past their minimum
@@ -101,30 +103,41 @@ class UniformProvider(PrimitiveProvider):
 AVAILABLE_PROVIDERS[BACKEND] = f"{__name__}.{UniformProvider.__name__}"
 
 
-def generated_cases(count: int, seed: int = 0,
-                    strategy: st.SearchStrategy[Case] | None = None,
-                    schedule: Sequence[Cover] = SCHEDULE) -> list[Case]:
+class CaseStrategy(Protocol):
+    """A function of options returning a case strategy that takes the decisions of ``cover``:
+    :func:`~difftest.generation.strategies.cases`, :func:`~difftest.generation.dense.dense_cases`,
+    :meth:`~difftest.generation.capabilities.Capabilities.strategy` and its kin."""
+
+    def __call__(self, *, cover: Cover = ..., **options: Any) -> st.SearchStrategy[Case]: ...
+
+
+def generated_cases(count: int, seed: int = 0, strategy: CaseStrategy = cases,
+                    schedule: Sequence[Cover] = SCHEDULE, **options: Any) -> list[Case]:
     """``count`` distinct cases (fewer only if the strategy has fewer), always the same ones for
     the same ``(count, seed)``, whatever else the process has imported.
 
-    Example ``i`` is drawn inside ``covering(schedule[i])`` while ``i < len(schedule)``
-    (``schedule=()``: free draws only). Hypothesis may draw the same case twice; when that
-    leaves the set short, the same seed is drawn again with a larger budget (the first draws
-    stay the same).
+    Example ``i`` is drawn from ``strategy(cover=schedule[i], **options)`` while
+    ``i < len(schedule)`` (``schedule=()``: free draws only), later ones with ``cover=FREE``.
+    Hypothesis may draw the same case twice; when that leaves the set short, the same seed is
+    drawn again with a larger budget (the first draws stay the same).
     """
+    if isinstance(strategy, st.SearchStrategy):
+        raise TypeError("generated_cases: strategy is a function of the example's cover "
+                        "(cases, dense_cases, capabilities.strategy), not a SearchStrategy: "
+                        "pass capabilities.strategy, not capabilities.strategy()")
     if count <= 0:
         return []
     budget, found = count, 0
     while True:
-        collected = _draw(budget, seed, strategy if strategy is not None else cases(), count,
+        collected = _draw(budget, seed, lambda cover: strategy(cover=cover, **options), count,
                           schedule)
         if len(collected) >= count or len(collected) <= found or budget >= 8 * count:
             return list(collected.values())
         found, budget = len(collected), budget * 2
 
 
-def _draw(budget: int, seed: int, strategy: st.SearchStrategy[Case], count: int,
-          schedule: Sequence[Cover]) -> dict[str, Case]:
+def _draw(budget: int, seed: int, strategy: Callable[[Cover], st.SearchStrategy[Case]],
+          count: int, schedule: Sequence[Cover]) -> dict[str, Case]:
     collected: dict[str, Case] = {}
     examples = 0
 
@@ -134,10 +147,9 @@ def _draw(budget: int, seed: int, strategy: st.SearchStrategy[Case], count: int,
     @given(st.data())
     def collect(data: st.DataObject) -> None:
         nonlocal examples
-        cover = schedule[examples] if examples < len(schedule) else {}
+        cover = schedule[examples] if examples < len(schedule) else FREE
         examples += 1
-        with covering(cover):
-            case = data.draw(strategy)
+        case = data.draw(strategy(cover))
         if len(collected) < count:
             collected.setdefault(case.case_id, case)
 

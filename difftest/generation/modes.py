@@ -30,14 +30,13 @@ draws one for a given case.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from hypothesis import strategies as st
 
 from difftest.case.selection import build_rows, unified_query_blocks
 from difftest.case.spec import MAX_QUERY_LEN, SOFTCAP_RANGE, Case
+from difftest.generation.cover import FREE, Cover
 
 MODEL_SOFTCAPS = (50.0, 30.0)  # largest first: a shrink keeps the mode mild
 OVERFLOW_SOFTCAPS = (0.01, 0.005, 0.002)  # |s / softcap| > 88 once |s| > 0.88 .. 0.18
@@ -147,17 +146,16 @@ def mode_flags(kernel_modes: bool) -> st.SearchStrategy[int]:
 
 
 @st.composite
-def mode_plans(draw: st.DrawFn, flags: int | None = None,
-               cover: Mapping[str, Any] | None = None) -> ModePlan:
+def mode_plans(draw: st.DrawFn, flags: int | None = None, cover: Cover = FREE) -> ModePlan:
     """The kernel modes whose bits ``flags`` sets (drawn here when ``None``): a softcap,
     a window (boundary-biased), canaries (three in four with a window, else half), fp8
     queries (on fp8-KV cases), prefill-like query lengths (a quarter), split-K scratch;
     each value drawn only for a mode that is on.
 
-    ``cover`` (:func:`difftest.generation.strategies.covering`) overrides ``flags``: ``modes``
-    names the modes on (:data:`MODE_NAMES`), ``softcap`` the kind of cap, ``window``
-    ``"inside"`` a boundary window shorter than the longest context, ``q_scale`` the query
-    scale, ``threshold`` the split-K threshold's kind (:data:`THRESHOLD_KINDS`).
+    ``cover`` (a stratum of the covering schedule) overrides ``flags``: ``modes`` names the
+    modes on (:data:`MODE_NAMES`), ``softcap`` the kind of cap, ``window`` ``"inside"`` a
+    boundary window shorter than the longest context, ``q_scale`` the query scale,
+    ``threshold`` the split-K threshold's kind (:data:`THRESHOLD_KINDS`).
 
     Why one integer: Hypothesis's generator (6.170) copies draws between examples and spans
     of the same kind (its mutator) and extends early examples with their simplest choices,
@@ -166,7 +164,6 @@ def mode_plans(draw: st.DrawFn, flags: int | None = None,
     13% of cases had modes when drawn last, 28% with booleans drawn first, and the window
     with canaries from 0 to 13 cases of 50 (docs/kernel-modes.md has the numbers now).
     """
-    cover = cover or {}
     if flags is None:
         flags = draw(st.integers(0, MODE_BITS - 1))
     on = flags >> 1
@@ -177,25 +174,25 @@ def mode_plans(draw: st.DrawFn, flags: int | None = None,
         "q_scale": bool(on & FLAG_Q_SCALE),
         "query_lens": on & (3 * FLAG_PREFILL) == 3 * FLAG_PREFILL,
         "split_k_segments": bool(on & FLAG_SPLIT_K)}
-    if cover.get("modes") is not None:
-        chosen = {name: name in cover["modes"] for name in MODE_NAMES}
-    softcap = draw(softcaps(cover.get("softcap"))) if chosen["softcap"] else 0.0
+    if cover.modes is not None:
+        chosen = {name: name in cover.modes for name in MODE_NAMES}
+    softcap = draw(softcaps(cover.softcap)) if chosen["softcap"] else 0.0
     window = None
     if chosen["sliding_window"]:
-        if cover.get("window") == "inside":
+        if cover.window == "inside":
             window = draw(st.tuples(st.just("inside"), st.integers(0, 15)))
         else:
             window = draw(st.one_of(st.tuples(st.just("edge"), st.integers(0, 15)),
                                     st.tuples(st.just("any"), st.integers(0, 1 << 20))))
     q_scale = 0.0
     if chosen["q_scale"]:
-        q_scale = cover["q_scale"] if cover.get("q_scale") else draw(q_scales())
+        q_scale = cover.q_scale or draw(q_scales())
     split_k = None
     if chosen["split_k_segments"]:
         segments = draw(st.sampled_from((16, 1, 2, 4, 8, 32, 64)))
         n = draw(st.integers(0, 4 * 4096))
-        if cover.get("threshold") in THRESHOLD_KINDS:
-            n += THRESHOLD_KINDS.index(cover["threshold"]) - n % len(THRESHOLD_KINDS)
+        if cover.threshold in THRESHOLD_KINDS:
+            n += THRESHOLD_KINDS.index(cover.threshold) - n % len(THRESHOLD_KINDS)
         split_k = (segments, n)
     return ModePlan(softcap, window, chosen["canary"], q_scale, chosen["query_lens"], split_k)
 

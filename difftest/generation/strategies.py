@@ -18,20 +18,17 @@ modes (softcap, sliding window, NaN canaries) of :mod:`difftest.generation.modes
 two (:data:`KERNEL_MODES_ONE_IN`; enough that the default strategies find vLLM 0.30.0's
 softcap NaN and 0.13.0's sliding-window NaN within 50 examples, docs/kernel-modes.md).
 
-Inside :func:`covering`, a drawn case takes some decisions from a :data:`Cover` instead of
-drawing them (a kernel mode on with its boundary kind, the first request's tail, top-k 16,
-...); :mod:`difftest.generation.covering` schedules them so that the first examples of every seed
-hold every mode and boundary class. A decision the strategy's limits rule out (top-k 16 under
-``max_topk=4``) is drawn as usual.
+Given a ``cover`` (:class:`~difftest.generation.cover.Cover`), a drawn case takes some decisions
+from it instead of drawing them (a kernel mode on with its boundary kind, the first request's
+tail, top-k 16, ...); :mod:`difftest.generation.covering` schedules them so that the first
+examples of every seed hold every mode and boundary class. A decision the strategy's limits
+rule out (top-k 16 under ``max_topk=4``) is drawn as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
-from types import MappingProxyType
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from hypothesis import strategies as st
 
@@ -44,6 +41,7 @@ from difftest.case.spec import (
     Case,
     cdiv,
 )
+from difftest.generation.cover import FREE, Cover
 from difftest.generation.modes import mode_flags, mode_plans, query_lengths
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES
 
@@ -58,62 +56,12 @@ Q_HEADS = (1, 8, 16, 64)
 SOFTMAX_SCALES = (HEAD_DIM**-0.5, 1.0, 0.01, 0.5)  # the model's first: a shrink returns to it
 KERNEL_MODES_ONE_IN = 2  # cases with softcap, sliding window and canaries drawn (modes.py)
 DtypeCombo = tuple[str, str, str]  # (kv_layout, query_dtype, kv_dtype)
-Cover = Mapping[str, Any]  # decisions a case takes instead of drawing them (covering.py)
-_COVER: ContextVar[Cover] = ContextVar("difftest_cover", default=MappingProxyType({}))
+T = TypeVar("T")
 
 
-@contextmanager
-def covering(cover: Cover) -> Iterator[None]:
-    """Cases drawn inside take the decisions of ``cover`` (keys of :data:`COVER_KEYS`)."""
-    unknown = sorted(set(cover) - set(COVER_KEYS))
-    if unknown:
-        raise ValueError(f"cover: unknown decision {unknown[0]!r} (allowed: "
-                         f"{', '.join(COVER_KEYS)})")
-    token = _COVER.set(cover)
-    try:
-        yield
-    finally:
-        _COVER.reset(token)
-
-
-COVER_KEYS = {
-    "modes": "the kernel modes on, every other one off (names of Case.kernel_modes, "
-             "and 'canary')",
-    "softcap": "the kind of softcap: 'overflow' or 'model'",
-    "window": "'inside': a window of window_edges shorter than the longest context",
-    "q_scale": "the fp8 query scale",
-    "query_len": "the query tokens of the first request (prefill-like rows)",
-    "threshold": "the split-K threshold: 'at' (3-D) or 'below' (2-D) the query blocks",
-    "large_cache": "True: a cache with page ids past 2**16 (its last block attended)",
-    "favour_last": "True: the last physical block heads the first request's table",
-    "tail": "the tokens in the first request's last block",
-    "long": "True: the first request longer than top-k 16 x 128 tokens (dense: 513-640)",
-    "several_blocks": "True: the first request longer than one block",
-    "decode_query_len": "query tokens per decode request (1-4)",
-    "topk": "the top-k",
-    "selection": "the selection mode (one of SELECTION_MODES)",
-    "softmax_scale": "the softmax scale",
-    "kv_dtypes": "the KV dtypes to draw from (where some is allowed)",
-    "fp8_scales": "(k_scale, v_scale) of an fp8 cache (the KV dtype is then fp8)",
-    "padded": "True: the second request is padded",
-    "block_zero": "True: block 0 sits in some table",
-    "dense_layout": "the dense family's cache layout (difftest.generation.dense.DENSE_LAYOUTS)",
-    "block_size": "the dense family's block size",
-    "head_dim": "the dense family's head size",
-    "kv_heads": "the dense family's KV heads",
-    "gqa": "the dense family's query heads per KV head",
-}
-
-
-def current_cover() -> Cover:
-    """The decisions of the innermost :func:`covering` (empty outside any)."""
-    return _COVER.get()
-
-
-def forced(cover: Cover, key: str, drawn: Any,
-            allowed: Callable[[Any], bool] = lambda _: True) -> Any:
-    """``cover[key]`` if it is set and ``allowed``, else the ``drawn`` value."""
-    value = cover.get(key)
+def forced(value: T | None, drawn: T, allowed: Callable[[T], bool] = lambda _: True) -> T:
+    """``value`` (a decision of a :class:`~difftest.generation.cover.Cover`) if it is set and
+    ``allowed``, else the ``drawn`` one."""
     return value if value is not None and allowed(value) else drawn
 
 
@@ -164,7 +112,7 @@ def picks(draw: st.DrawFn, pool: Sequence[int], count: int) -> list[int]:
 
 @st.composite
 def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int, mode: str,
-            max_batch: int, prefill: bool = False, cover: Cover | None = None
+            max_batch: int, prefill: bool = False, cover: Cover = FREE
             ) -> tuple[int, list[int], list[list[int]]]:
     """One request, drawn in one piece: ``(seq_len, block table, selection rows)``.
 
@@ -178,28 +126,26 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
     :data:`PREFILL_FULL_BLOCKS` full blocks, and every row selects its causal blocks in
     order (the rows then share one causal sequence).
 
-    ``cover`` (:func:`covering`) fixes the first request's query length, tail, a length
-    past one block or past top-k 16 x 128 tokens, an empty first row, and the second
-    request's padding.
+    ``cover`` fixes the first request's query length, tail, a length past one block or past
+    top-k 16 x 128 tokens, an empty first row, and the second request's padding.
     """
-    cover = cover or {}
     r = free.requests
     free.requests += 1
-    padded = r > 0 and (draw(st.integers(0, 2)) == 2 or (r == 1 and bool(cover.get("padded"))))
+    padded = r > 0 and (draw(st.integers(0, 2)) == 2 or (r == 1 and cover.padded))
     query_len = draw(query_lengths()) if prefill else decode_query_len
-    if prefill and r == 0 and cover.get("query_len") is not None:
-        query_len = int(cover["query_len"])
+    if prefill and r == 0 and cover.query_len is not None:
+        query_len = cover.query_len
     budget = len(free)
     share = max(1, budget - (max_batch - r - 1))
     # a prefill request fits top-k and at most PREFILL_FULL_BLOCKS full blocks: its rows each
     # attend up to the whole request, so a long one costs the interpreter minutes
     most = min(share - 1, MAX_FULL_BLOCKS,
                min(topk - 1, PREFILL_FULL_BLOCKS) if prefill and query_len > 1 else budget)
-    least = 16 if cover.get("long") else 1 if cover.get("several_blocks") else 0
+    least = 16 if cover.long else 1 if cover.several_blocks else 0
     full = draw(st.integers(least if r == 0 and most >= least else 0, max(most, 0)))
     tail = draw(tails())
-    if r == 0 and cover.get("tail") is not None:
-        tail = int(cover["tail"])
+    if r == 0 and cover.tail is not None:
+        tail = cover.tail
     length = max(full * BLOCK_SIZE + tail, query_len)
     needed = cdiv(length, BLOCK_SIZE)
     if padded or needed > budget:
@@ -215,7 +161,7 @@ def request(draw: st.DrawFn, free: FreeBlocks, decode_query_len: int, topk: int,
         rows = [list(range(pos // BLOCK_SIZE + 1)) + [-1] * (topk - pos // BLOCK_SIZE - 1)
                 for pos in range(length - query_len, length)]
     else:
-        empty = r == 0 and cover.get("selection") == "empty-rows"
+        empty = r == 0 and cover.selection == "empty-rows"
         rows = [draw(selection_row(mode, topk, length - query_len + i, empty and i == 0))
                 for i in range(query_len)]
     return length, table, rows
@@ -293,6 +239,7 @@ def cases(
     combos: Sequence[DtypeCombo] | None = None,
     accept: Callable[[Case], bool] | None = None,
     redraws: int = 4,
+    cover: Cover = FREE,
 ) -> Case:
     """A valid case; restrict dtypes, layouts or selection modes to fit a backend, or the
     batch, top-k and cache size to keep a test cheap.
@@ -303,7 +250,8 @@ def cases(
     ``combos`` narrows the ``(kv_layout, query_dtype, kv_dtype)`` triples further (the ones
     the chosen backends support: :func:`difftest.generation.capabilities.cases_for`).
     ``accept`` rejects a drawn case, which is then drawn again, up to ``redraws`` more times
-    (the last draw is returned whatever ``accept`` says).
+    (the last draw is returned whatever ``accept`` says). ``cover``: the decisions taken
+    instead of drawn (a stratum of :data:`difftest.generation.covering.SCHEDULE`).
     """
     allowed = [c for c in dtype_combos(layouts, query_dtypes, kv_dtypes)
                if combos is None or c in combos]
@@ -311,7 +259,8 @@ def cases(
         raise ValueError("cases: no (kv_layout, query_dtype, kv_dtype) is left: allowed "
                          f"layouts {layouts}, query dtypes {query_dtypes}, KV dtypes "
                          f"{kv_dtypes}, combos {tuple(combos or ())}")
-    one_case = _case(allowed, selection_modes, max_batch, max_topk, max_blocks, kernel_modes)
+    one_case = _case(allowed, selection_modes, max_batch, max_topk, max_blocks, kernel_modes,
+                     cover)
     for _ in range(redraws if accept is not None else 0):
         case = draw(one_case)
         if accept is not None and accept(case):
@@ -321,17 +270,15 @@ def cases(
 
 @st.composite
 def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple[str, ...],
-          max_batch: int, max_topk: int, max_blocks: int, kernel_modes: bool) -> Case:
-    cover = current_cover()
-    modes_forced = kernel_modes and "modes" in cover
+          max_batch: int, max_topk: int, max_blocks: int, kernel_modes: bool,
+          cover: Cover) -> Case:
+    modes_forced = kernel_modes and cover.modes is not None
     # every on/off decision of the modes comes from one integer drawn first (see
     # modes.mode_plans); it shrinks to 0: modes off
     flags = draw(mode_flags(kernel_modes))
     plan = (draw(mode_plans(flags, cover)) if modes_forced or flags % KERNEL_MODES_ONE_IN == 1
             else None)
-    kv_dtypes = cover.get("kv_dtypes", ())
-    if "fp8_scales" in cover or (modes_forced and "q_scale" in cover["modes"]):
-        kv_dtypes = FP8_DTYPES
+    kv_dtypes = FP8_DTYPES if cover.fixes_fp8(kernel_modes) else cover.kv_dtypes
     pool = [c for c in allowed if c[2] in kv_dtypes] or list(allowed)
     layout = draw(st.sampled_from(sorted({c[0] for c in pool}, key=KV_LAYOUTS.index)))
     q_dtype = draw(st.sampled_from([q for q in QUERY_DTYPES
@@ -339,38 +286,38 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
     kv_dtype = draw(st.sampled_from([kv for kv in KV_DTYPES if (layout, q_dtype, kv) in pool]))
     n = draw(num_blocks(layout, max_blocks))
     big = PAGE_IDS_PAST_2_16[layout]
-    if cover.get("large_cache") and big <= max_blocks:
+    if cover.large_cache and big <= max_blocks:
         n = draw(st.integers(big, min(big + 64, max_blocks)))
-    elif cover.get("long") and max_blocks >= 128:
+    elif cover.long and max_blocks >= 128:
         n = max(n, 128)
     prefill = plan is not None and plan.prefill
     dql = 1 if prefill else draw(st.integers(1, 4))
-    dql = forced(cover, "decode_query_len", dql, lambda v: not prefill)
+    dql = forced(cover.decode_query_len, dql, lambda v: not prefill)
     topk = draw(st.sampled_from([t for t in TOPKS if t <= max_topk]))
-    topk = forced(cover, "topk", topk, lambda v: v in TOPKS and v <= max_topk)
+    topk = forced(cover.topk, topk, lambda v: v in TOPKS and v <= max_topk)
     mode = draw(st.sampled_from(selection_modes))
-    mode = forced(cover, "selection", mode, lambda v: v in selection_modes)
+    mode = forced(cover.selection, mode, lambda v: v in selection_modes)
     # A cache past page id 2**16 is only worth its size if a block past 2**16 is attended:
     # the last block goes where every row looks, logical block 0 of the first request (the
     # indexer's forced init block, full whenever the request is longer than one block); a
     # uniform draw from thousands of blocks almost never selects the few past page id 2**16.
     # (two in three smaller caches too; a shrink unfavours it)
     favour_last = (n >= big or draw(st.sampled_from((False, True, True)))
-                   or bool(cover.get("favour_last")))
+                   or cover.favour_last)
     free = FreeBlocks(n, favour_last)
-    least = 2 if cover.get("padded") and max_batch >= 2 else 1
+    least = 2 if cover.padded and max_batch >= 2 else 1
     requests = draw(st.lists(request(free, dql, topk, mode, max_batch, prefill, cover),
                              min_size=least, max_size=max_batch))
     lens = [length for length, _, _ in requests]
     tables = [table for _, table, _ in requests]
     rows = [row for _, _, request_rows in requests for row in request_rows]
-    if draw(st.booleans()) or cover.get("block_zero"):
+    if draw(st.booleans()) or cover.block_zero:
         draw(with_block_zero(tables, skip_first=favour_last))
     fp8 = kv_dtype in FP8_DTYPES
     k_scale = draw(fp8_scales()) if fp8 else 1.0
     v_scale = draw(fp8_scales()) if fp8 else 1.0
-    if fp8 and cover.get("fp8_scales") is not None:
-        k_scale, v_scale = cover["fp8_scales"]
+    if fp8 and cover.fp8_scales is not None:
+        k_scale, v_scale = cover.fp8_scales
     heads = draw(st.sampled_from(Q_HEADS))
     softmax_scale = draw(st.sampled_from(SOFTMAX_SCALES))
     case = Case(
@@ -385,7 +332,7 @@ def _case(draw: st.DrawFn, allowed: Sequence[DtypeCombo], selection_modes: tuple
         kv_dtype=kv_dtype,
         k_scale=k_scale,
         v_scale=v_scale,
-        softmax_scale=forced(cover, "softmax_scale", softmax_scale),
+        softmax_scale=forced(cover.softmax_scale, softmax_scale),
         kv_layout=layout,
         distribution=draw(st.sampled_from(DISTRIBUTIONS)),
         seed=draw(st.integers(0, 2**32 - 1)),

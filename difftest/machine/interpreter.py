@@ -9,8 +9,13 @@ cases' time on the CPU (vLLM's kernels call small helpers in their loops; measur
 docs/performance.md). Those re-patches set the same attributes to equivalent wrappers and are
 undone with the launch's own patches, so skipping them runs the same functions on the same
 values: :func:`skip_nested_patching` skips a nested call's patching when the callee sees no
-``triton.language`` module that the running launch has not patched. Other calls (a launch,
-a nested callee that sees another module, a call outside any launch) patch as before.
+``triton.language`` module that the running launch has not patched. Other calls (a launch, a
+nested callee that sees another module, a call outside any launch) patch as before. A nested
+callee's patches (a module the launch did not patch, e.g. ``triton.language.core`` seen from
+``tl.sum``) are undone with the launch's own, before them: Triton leaves them in place, so
+after any interpreted launch ``triton.language.core``'s builtins were still the interpreter's,
+and a kernel compiled later in the process (:mod:`difftest.machine.triton_compile`) failed on
+them (finding F33).
 
 :func:`skip_dropped_overflow_checks`: the interpreter's options keep ``sanitize_overflow`` on,
 so every int32 add, sub and mul is evaluated a second time in int64 and turned into an
@@ -43,10 +48,24 @@ _DECODES = "_difftest_decodes_fp8_specials"
 
 
 class _Launch:
-    """The ``triton.language`` modules (by id) a running launch has patched."""
+    """The ``triton.language`` modules (by id) a running launch has patched, and the patch
+    scopes of its nested callees (undone before the launch's own)."""
 
     def __init__(self) -> None:
         self.patched: set[int] = set()
+        self.nested: list[Any] = []
+
+
+def _undoing_nested_first(scope: Any, launch: _Launch) -> None:
+    """Make the launch's ``scope.restore`` undo its callees' patches first (last first)."""
+    own = scope.restore
+
+    def restore() -> None:
+        while launch.nested:
+            launch.nested.pop().restore()
+        own()
+
+    scope.restore = restore
 
 
 _launches: list[_Launch] = []
@@ -91,6 +110,10 @@ def _skipping(patch_lang: Callable[[Any], Any], scope: type,
             return scope()  # nothing to patch; the caller never restores a nested scope
         result = patch_lang(fn)
         if launch is not None:
+            if launch.patched:
+                launch.nested.append(result)
+            else:
+                _undoing_nested_first(result, launch)
             launch.patched |= seen
         return result
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from difftest.judgement.expectations import Judgement
 
 REPORT_SCHEMA = "difftest.report/1"
+# its JSON Schema (package data), which refers to the case's (difftest.case.spec)
+REPORT_JSON_SCHEMA = Path(__file__).with_name("report.schema.json")
 CASE_LISTS = ("cases", "earlier_crashes")
 
 

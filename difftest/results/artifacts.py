@@ -11,7 +11,8 @@ removes it and, when a backend failed, leaves ``<root>/failures/<case_id>/`` wit
 of
   every backend's output so a replay can be checked bit for bit,
 * ``fingerprint.json``: the environment of the process that ran it,
-* ``repro.txt``: the command that replays it and the one that pins it into the corpus.
+* ``repro.txt``: the command that replays it, the one that exports its kernel call as a
+  script for upstream, and the one that pins it into the corpus.
 
 A pending file that outlives its process is a crash: :meth:`ArtifactStore.crashed` finds them
 and :meth:`ArtifactStore.record_crash` turns one into a failure directory with status
@@ -55,6 +56,15 @@ def repro_command(path: Path | str, plugins: Iterable[str] = ()) -> str:
     """The command that replays an artifact directory or case file (with the plug-ins that
     provided its backends), shell-quoted: pasting it runs exactly that."""
     words = ["difftest", "repro", str(path)]
+    for plugin in plugins:
+        words += ["--plugin", plugin]
+    return shlex.join(words)
+
+
+def export_command(path: Path | str, plugins: Iterable[str] = ()) -> str:
+    """The command that writes a failure directory's kernel call as a script that runs
+    without difftest (``difftest export``), shell-quoted."""
+    words = ["difftest", "export", str(path)]
     for plugin in plugins:
         words += ["--plugin", plugin]
     return shlex.join(words)
@@ -193,8 +203,12 @@ class ArtifactStore:
         write_text(directory / "case.json", case.to_json() + "\n")
         write_json(directory / "results.json", record.to_dict())
         write_json(directory / "fingerprint.json", environment)
+        plugins = self.plugins if plugins is None else plugins
         write_text(directory / "repro.txt",
-            f"{repro_command(directory, self.plugins if plugins is None else plugins)}\n"
+            f"{repro_command(directory, plugins)}\n"
+            "# the failing kernel call as a script for its maintainers (torch and the "
+            "kernel's package only):\n"
+            f"{export_command(directory, plugins)}\n"
             "# once fixed, pin it into the regression corpus:\n"
             f"{promote_command(directory)}\n")
         return directory

@@ -5,8 +5,8 @@ an allocation that grows until the machine stops it or a backend error).
 The estimate (:func:`footprint`) counts what the framework allocates for a case: the physical
 cache once per in-page order the backends read (the layout's buffer,
 :meth:`difftest.case.layouts.KVLayout.raw_bytes`), the generated data of the blocks the
-requests hold (stored values plus the float32 draws they come from), the reference's float64
-gathers (a chunk of at most ``ELEMENTS_PER_CHUNK`` values each for K and V, and the logits)
+requests hold (stored values plus the float32 draws they come from), the reference's scratch
+(as the reference states it: :meth:`~difftest.contract.backend.ReferenceBackend.working_bytes`)
 and the outputs. It is an upper bound of those allocations; a backend's own scratch is not
 counted, so a case that just fits may still run out inside a kernel (reported as that
 backend's error).
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from difftest.backends.torch_ref import ELEMENTS_PER_CHUNK
 from difftest.case.spec import Case
+from difftest.contract.backend import ReferenceBackend
 from difftest.primitives.dtypes import torch_dtype
 
 GIB = float(1 << 30)
@@ -52,19 +52,16 @@ class Footprint:
                 f"{self.outputs / GIB:.1f} GiB)")
 
 
-def footprint(case: Case, orders: int) -> Footprint:
-    """The bytes ``case`` needs with ``orders`` in-page orders built (from its fields only)."""
+def footprint(case: Case, orders: int, reference: ReferenceBackend) -> Footprint:
+    """The bytes ``case`` needs with ``orders`` in-page orders built and ``reference``
+    computing its truth (from its fields only)."""
     itemsize = torch_dtype(case.kv_dtype).itemsize
     cache = case.layout.raw_bytes(case, itemsize)
     held = sum(len(table) for table in case.block_tables)  # an upper bound of the attended
     per_block = case.block_size * case.num_kv_heads * case.head_dim
     data = 2 * held * per_block * (itemsize + 4)  # K and V: stored, and the float32 draws
-    width = max((sum(1 for b in row if b >= 0) for row in case.selections), default=0)
-    gathered = min(case.total_q * width * case.block_size * case.head_dim, ELEMENTS_PER_CHUNK)
-    logits = case.total_q * case.num_q_heads * width * case.block_size
-    reference = 8 * (2 * gathered + 2 * min(logits, ELEMENTS_PER_CHUNK))
     outputs = 8 * 4 * case.total_q * case.num_q_heads * case.head_dim
-    return Footprint(cache, orders, data, reference, outputs)
+    return Footprint(cache, orders, data, reference.working_bytes(case), outputs)
 
 
 def available_bytes(device: torch.device) -> tuple[int, str]:
@@ -84,10 +81,11 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def refusal(case: Case, device: torch.device, orders: Iterable[str],
-            reusable: int = 0) -> str | None:
+            reference: ReferenceBackend, reusable: int = 0) -> str | None:
     """``None`` if ``case`` fits in the memory available on ``device`` (plus ``reusable``
-    bytes of buffers the session holds for it), else why not, with the numbers."""
-    need = footprint(case, len(set(orders)))
+    bytes of buffers the session holds for it) with ``orders`` built and ``reference``
+    computing its truth, else why not, with the numbers."""
+    need = footprint(case, len(set(orders)), reference)
     free, source = available_bytes(device)
     if need.total <= HEADROOM * (free + reusable):
         return None

@@ -77,9 +77,9 @@ class RunPlan:
         from difftest.generation.generate import generated_cases
 
         return cls.build(capabilities, corpus,
-                         [*generated_cases(examples, seed, capabilities.strategy()),
+                         [*generated_cases(examples, seed, capabilities.strategy),
                           *generated_cases(dense_examples(examples), seed,
-                                           capabilities.dense_strategy())], shard)
+                                           capabilities.dense_strategy)], shard)
 
     def counts(self) -> dict[str, int]:
         """The whole case set's runs by origin (``corpus``, ``generated``, ``fitted``),

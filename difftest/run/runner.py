@@ -256,7 +256,7 @@ def run_case(
     timings: dict[str, float] = {}
     rows: Sequence[SparseRow] | None = None
     # a case this device cannot hold is refused before anything is allocated
-    refused = refusal(case, device, _orders_built(case, backends, device),
+    refused = refusal(case, device, _orders_built(case, backends, device), reference,
                       caches.held_bytes() if caches is not None else 0)
     if refused is not None:
         return CaseResult(case, reference.name,

@@ -21,7 +21,12 @@ import torch
 
 from difftest.case.spec import Case
 from difftest.contract import registry
-from difftest.contract.backend import Backend, ReferenceBackend, serves_as_reference
+from difftest.contract.backend import (
+    REFERENCE_METHODS,
+    Backend,
+    ReferenceBackend,
+    serves_as_reference,
+)
 from difftest.inputs.kv_cache import CachePool
 from difftest.judgement.expectations import Expectation, known_bug
 from difftest.judgement.expectations import load as load_expectations
@@ -90,8 +95,9 @@ class Session:
         known = registry.discover(plugins)
         ref = registry.select(known, [reference])[0]
         if not serves_as_reference(ref):
-            raise registry.RegistryError(f"{reference!r} cannot serve as the reference "
-                                         "(it has no reference() method)")
+            lacks = [f"{m}()" for m in REFERENCE_METHODS if not callable(getattr(ref, m, None))]
+            raise registry.RegistryError(f"{reference!r} cannot serve as the reference (it has "
+                                         f"no {' and no '.join(lacks)} method)")
         names = list(backend_names) if backend_names is not None else [
             n for n in sorted(known) if n != reference]
         chosen = registry.select(known, [n for n in names if n != reference])
