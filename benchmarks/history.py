@@ -4,20 +4,27 @@
     python -m benchmarks.history --bug aiter-page-48 --json out.json
     python -m benchmarks.history --pair 'triton-unified[vllm=0.30.0]' 'triton-unified[vllm=0.31.0]'
 
-Each pair is a release with a known bug (:data:`KNOWN_BUGS`) and the release that fixed it,
-as backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
+Each pair is a release with a known bug (:data:`KNOWN_BUGS`) and the release that fixed it, as
+backend names: ``<backend>[vllm=<version>]`` for vLLM's kernels
 (:mod:`difftest.backends.vllm_release` resolves versions under ``$DIFFTEST_VLLM_ROOT``) and
 ``aiter-unified[aiter=<tag>]`` for AITER's (:mod:`difftest.backends.aiter_triton`, under
-``$DIFFTEST_AITER_ROOT``). The missing ones are fetched first (PyPI for vLLM,
-``scripts/fetch_aiter.sh`` for AITER tags), and where that fails the error says what to run
-elsewhere. Per pair the cases are exactly the ones ``difftest run --no-corpus --backends
-<buggy> --examples N --seed S`` draws: N of the sparse family, then N/5 dense ones (the
-capability-aware default strategies, ``Capabilities.probe([buggy], device)``, through
-:func:`difftest.generation.generate.generated_cases`), drawn once in the main process (the ids'
-hash is reported) and handed to worker processes (``--workers``, default 2), which split the
-work into units: one hunt per (buggy, fixed) pair, shared by the bugs of that pair, and the
-cases on the fixed release and the control (the bug's backend on the environment's release,
-where that release has the fix; none for AITER, whose wheel predates the fixes) in chunks.
+``$DIFFTEST_AITER_ROOT``). The missing vLLM releases are fetched first (PyPI), and where that
+fails the error says what to run elsewhere. An AITER pair runs as ``difftest bump aiter BUGGY
+FIXED --backends aiter-unified --no-corpus --examples N`` (:func:`bump_pair`: the bump fetches
+the tags from ``$DIFFTEST_AITER_REPO``): the bug is found at the first example where the buggy
+release fails as the bug does and the fixed release agrees, every other failure is listed with
+the known bugs of its release whose error or trigger it meets (a bump is not ablated or
+shrunk), and the bump's verdict line is printed. The rest of this describes the vLLM pairs. Per
+pair the cases are exactly the ones ``difftest run --no-corpus --backends <buggy> --examples N
+--seed S`` runs on the buggy release (:func:`run_cases`): N examples of the sparse family, then
+N/5 dense ones (the capability-aware default strategies, drawn over what the backend runs in
+every release), each followed, where an older release of the backend lacks what it needs, by
+its nearest variant every release runs; numbered in that order, drawn once in the main process
+(the ids' hash is reported) and handed to worker processes (``--workers``, default 2), which
+split the work into units: one hunt per (buggy, fixed) pair, shared by the bugs of that pair,
+and the cases on the fixed release and the control (the bug's backend on the environment's
+release, where that release has the fix; none for AITER, whose wheel predates the fixes) in
+chunks.
 
 The hunt runs the buggy release on the cases in order and stops once each of its bugs has a
 first failure that the bug explains. A bug that makes the kernel raise (``error``: F23, F25,
@@ -57,12 +64,12 @@ import argparse
 import concurrent.futures
 import hashlib
 import multiprocessing
-import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +80,8 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from packaging.version import InvalidVersion, Version
 
+from difftest.backends.aiter_release import AiterFetchError
+from difftest.backends.aiter_release import fetch_missing as fetch_missing_aiter
 from difftest.backends.vllm_paged_decode import loads_unread_slots_outside_the_window
 from difftest.backends.vllm_release import ReleaseError, fetch_missing, release_specs
 from difftest.case.selection import (
@@ -85,6 +94,7 @@ from difftest.case.spec import MODE_DEFAULTS, Case, CaseError
 from difftest.contract.backend import Backend, RunInputs
 from difftest.machine import devices
 from difftest.primitives.jsonfile import write_json
+from difftest.reporting.report import read_report
 from difftest.run.runner import FAILING, CaseResult, Status, run_case
 
 CONTROL = "triton-unified"  # the venv's vLLM (0.33.0)
@@ -735,51 +745,131 @@ def _shrink(strategy: st.SearchStrategy[Case], examples: int, seed: int,
 
 
 # ----- the main process ----------------------------------------------------------------------
-FETCH_AITER = Path(__file__).resolve().parent.parent / "scripts" / "fetch_aiter.sh"
+def release_parts(name: str) -> tuple[str, str]:
+    """``aiter-unified[aiter=v0.1.11]`` -> ``("aiter-unified", "v0.1.11")``."""
+    base, _, option = name.partition("[")
+    return base, option.rstrip("]").partition("=")[2]
 
 
-class AiterFetchError(RuntimeError):
-    """An AITER tree an ``aiter=`` option names is missing and could not be fetched."""
+def _recorded_detail(result: dict[str, Any]) -> str:
+    """A report result's failure on one line, as :func:`_detail` gives a live one's."""
+    c = result.get("comparison")
+    if c:
+        return (f"{c['mismatched']}/{c['checked']} elements mismatched, {c['nonfinite']} "
+                f"non-finite, max error/tolerance {float(c['max_ratio']):.3g}")
+    lines = (result.get("detail") or "").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
-def aiter_specs(names: Iterable[str]) -> list[str]:
-    """The ``aiter=`` values of backend names, in order."""
-    return re.findall(r"[\[,]aiter=([^,\]]+)", ",".join(names))
+def _known_in(release: str, case: Case, status: str, detail: str) -> list[str]:
+    """The known bugs of ``release`` whose error a failure raised or (for a bug of a kernel
+    mode) whose trigger its case meets: a bump's failures are not ablated."""
+    return [b.name for b in KNOWN_BUGS if b.raised_by(release, case, status, detail)
+            or (not b.error and b.explains(release, case))]
 
 
-def fetch_missing_aiter(specs: Iterable[str]) -> list[str]:
-    """Fetch every AITER tree among ``specs`` (names, not paths) that does not resolve yet,
-    with ``scripts/fetch_aiter.sh`` (a tag from ``$DIFFTEST_AITER_REPO``, default GitHub; a
-    version from PyPI); return the names fetched. :class:`AiterFetchError` says what to run
-    where it fails."""
-    from difftest.backends.aiter_triton import SourceError, resolve, source_root
-
-    fetched = []
-    for spec in dict.fromkeys(specs):
-        if "/" in spec or spec.startswith("."):
+def _outcome_failures(results: dict[str, dict[str, Any]], order: Sequence[Case], name: str,
+                      release: str, skip: str = "") -> list[Failure]:
+    """Every failing result of a bump's report (``results`` by case id) but case ``skip``'s,
+    numbered by ``order``, with the known bugs of its release it shows (:func:`_known_in`)."""
+    failures = []
+    for number, case in enumerate(order, 1):
+        result = results.get(case.case_id)
+        if result is None or result["status"] not in FAILED or case.case_id == skip:
             continue
-        try:
-            resolve(spec)
-            continue
-        except SourceError:
-            pass
-        print(f"fetching AITER {spec} (scripts/fetch_aiter.sh) into {source_root() / spec}",
-              file=sys.stderr)
-        done = subprocess.run(["bash", str(FETCH_AITER), spec], capture_output=True,
-                              text=True, check=False)
-        if done.returncode != 0:
+        bugs = _known_in(release, case, result["status"], result.get("detail") or "")
+        raised = next((b.error for b in KNOWN_BUGS if b.name in bugs and b.error), "")
+        failures.append(Failure(case.case_id, number, name, result["status"],
+                                _recorded_detail(result), Attribution(bugs=bugs, error=raised),
+                                bugs))
+    return failures
+
+
+def bump_pair(members: Sequence[tuple[HistoricalBug | None, str]], buggy_name: str,
+              fixed_name: str, order: Sequence[Case], args: argparse.Namespace, device: str
+              ) -> tuple[list[PairOutcome], str]:
+    """An AITER pair through ``difftest bump aiter BUGGY FIXED``: the cases ``difftest run``
+    runs on the buggy release (``order``, :func:`run_cases`), run again on the fixed release
+    and gated. Per bug of ``members``, the first case where the buggy release fails as the bug
+    does and the fixed release runs it without the bug (it agrees, or fails only as a known
+    bug of its own), and every other failure; and the bump's verdict line. No shrinking: the
+    bump's reports are the record."""
+    backend, buggy = release_parts(buggy_name)
+    _, fixed = release_parts(fixed_name)
+    with tempfile.TemporaryDirectory() as directory:
+        command = [sys.executable, "-m", "difftest", "bump", "aiter", buggy, fixed,
+                   "--backends", backend, "--no-corpus", f"--examples={args.examples}",
+                   f"--seed={args.seed}", f"--jobs={max(1, args.workers)}",
+                   f"--device={device}", f"--report-dir={directory}"]
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        seconds = time.perf_counter() - started
+        if done.returncode not in (0, 1):
             said = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise AiterFetchError(
-                f"aiter={spec}: bash scripts/fetch_aiter.sh {spec} failed ({said}); on a "
-                f"machine with network run it there and copy {source_root() / spec} here, or "
-                "set DIFFTEST_AITER_REPO to a local clone of ROCm/aiter")
-        fetched.append(spec)
-    return fetched
+            raise RuntimeError(f"difftest bump aiter {buggy} {fixed} exited "
+                               f"{done.returncode}: {said}")
+        old, new = (read_report(Path(directory) / f"{side}.json")
+                    for side in ("baseline", "candidate"))
+    verdict = (done.stdout.strip().splitlines() or ["(no verdict)"])[-1]
+    releases = {n: f"{backend}@{r['backends'][backend]['versions'].get('amd-aiter')}"
+                for n, r in ((buggy_name, old), (fixed_name, new))}
+    before, after = ({c["case_id"]: c["results"][0] for c in r["cases"]} for r in (old, new))
+    sparse = sum(not c.dense for c in order)
+    outcomes = []
+    for target, name in members:
+        outcome = PairOutcome(name, buggy_name, fixed_name, "", ids_hash(order), sparse,
+                              len(order) - sparse, releases,
+                              same_case_statuses={fixed_name: dict(Counter(
+                                  r["status"] for r in after.values()))},
+                              profile={"bump wall": seconds})
+        ran = 0
+        for number, case in enumerate(order, 1):
+            result, fixed_result = before[case.case_id], after[case.case_id]
+            ran += result["status"] not in ("unsupported", "unavailable")
+            detail = result.get("detail") or ""
+            shown = result["status"] in FAILED and (
+                target is None or target.raised_by(releases[buggy_name], case,
+                                                   result["status"], detail)
+                or (not target.error and target.explains(releases[buggy_name], case)))
+            fixed_known = _known_in(releases[fixed_name], case, fixed_result["status"],
+                                    fixed_result.get("detail") or "")
+            fixed_clean = fixed_result["status"] == Status.AGREE.value or (
+                fixed_result["status"] in FAILED and fixed_known and name not in fixed_known)
+            if shown and fixed_clean:
+                outcome.found, outcome.status, outcome.examples, outcome.ran = (
+                    True, result["status"], number, ran)
+                outcome.seconds, outcome.first_case = seconds, case.to_dict()
+                outcome.first_detail = _recorded_detail(result)
+                outcome.attribution = Attribution(bugs=[name],
+                                                  error=target.error if target else "")
+                outcome.how = ("it fails as the bug does on a case that meets its trigger, "
+                               f"and the fixed release {fixed_result['status']}s there"
+                               + (f" (its own {', '.join(fixed_known)})" if fixed_known
+                                  and fixed_result["status"] != "agree" else ""))
+                break
+        first = outcome.first_case["id"] if outcome.first_case else ""
+        outcome.failures = (
+            _outcome_failures(before, order, buggy_name, releases[buggy_name], first)
+            + _outcome_failures(after, order, fixed_name, releases[fixed_name]))
+        outcomes.append(outcome)
+    return outcomes, verdict
 
 
 def example_label(number: int, sparse: int) -> str:
     """``"12"``, or ``"53 (dense 3)"`` past the ``sparse`` cases of a case set."""
     return f"{number} (dense {number - sparse})" if number > sparse else str(number)
+
+
+def run_cases(backend: Backend, device: torch.device, examples: int, seed: int) -> list[Case]:
+    """The cases ``difftest run --no-corpus --backends <backend> --examples N --seed S`` runs
+    on ``backend``, in order: each drawn example, and where an older release of the backend
+    refuses it, the nearest variant every release runs
+    (:meth:`difftest.generation.capabilities.Capabilities.fit`)."""
+    from difftest.generation.capabilities import Capabilities
+    from difftest.run.plan import RunPlan
+
+    plan = RunPlan.drawn(Capabilities.probe([backend], device), [], examples, seed)
+    return [run.case for run in plan.runs]
 
 
 def default_strategy(backend: Backend, device: torch.device, dense: bool = False
@@ -862,13 +952,15 @@ def summary(outcomes: list[PairOutcome], swept: dict[str, dict[str, int]],
             lines.append(f"    ablation: {describe_attribution(o.attribution)}")
             lines.append(f"    verdict: {o.name} shown: {o.how}")
             bound = f", stopped by the {o.shrink_stopped} bound" if o.shrink_stopped else ""
-            shrunk_id = o.shrunk_case["id"] if o.shrunk_case else "-"
-            lines.append(f"  shrunk in {o.shrink_runs} runs, {o.shrink_seconds:.1f} s{bound} "
-                         f"({o.replay_misses} replay misses) to {shrunk_id}: "
-                         f"{describe(o.shrunk_case)}")
-            lines.append(f"    on the shrunk case: {o.shrunk_statuses}; {o.buggy}: "
-                         f"{o.shrunk_detail}")
-            lines.append(f"    ablation: {describe_attribution(o.shrunk_attribution)}")
+            if o.shrunk_case is None:  # an AITER pair: the bump's reports are the record
+                lines.append("  not shrunk: run through difftest bump")
+            else:
+                lines.append(f"  shrunk in {o.shrink_runs} runs, {o.shrink_seconds:.1f} s"
+                             f"{bound} ({o.replay_misses} replay misses) to "
+                             f"{o.shrunk_case['id']}: {describe(o.shrunk_case)}")
+                lines.append(f"    on the shrunk case: {o.shrunk_statuses}; {o.buggy}: "
+                             f"{o.shrunk_detail}")
+                lines.append(f"    ablation: {describe_attribution(o.shrunk_attribution)}")
         else:
             lines.append(f"  NOT FOUND in {o.ran} examples the buggy release ran")
         lines.append(f"  other failures: {len(o.failures)}")
@@ -923,7 +1015,6 @@ def main(argv: list[str] | None = None) -> int:
         devices.share_cpu_threads(1)
     device = _device()
     from difftest.generation.capabilities import Capabilities
-    from difftest.generation.dense import dense_examples
     from difftest.generation.generate import generated_cases
 
     pairs: list[tuple[HistoricalBug | None, str, str, str, str]] = [
@@ -932,25 +1023,42 @@ def main(argv: list[str] | None = None) -> int:
         (b, b.name, b.release_name(b.buggy), b.release_name(b.fixed),
          args.control if args.control is not None else b.control)
         for b in KNOWN_BUGS if b.fixed and (not args.bug or b.name in args.bug)]
-    try:  # the releases the pairs name, fetched where missing
+    try:  # the vLLM releases the pairs name, fetched where missing (a bump fetches AITER's)
         fetch_missing(release_specs([n for _, _, *names in pairs for n in names]))
-        fetch_missing_aiter(aiter_specs([n for _, _, *names in pairs for n in names]))
-    except (ReleaseError, AiterFetchError) as exc:
+    except ReleaseError as exc:
         print(f"history: {exc}", file=sys.stderr)
         return 2
-    # bugs of one (buggy, fixed, control) triple share its cases, its hunt and its runs
+    # bugs of one (buggy, fixed, control) triple share its cases, its hunt and its runs; an
+    # AITER pair runs as `difftest bump aiter BUGGY FIXED`
     groups: dict[tuple[str, str, str], list[tuple[HistoricalBug | None, str]]] = {}
+    bumps: dict[tuple[str, str], list[tuple[HistoricalBug | None, str]]] = {}
     for target, name, *names in pairs:
-        groups.setdefault((names[0], names[1], names[2]), []).append((target, name))
+        if "[aiter=" in names[0] and "[aiter=" in names[1]:
+            bumps.setdefault((names[0], names[1]), []).append((target, name))
+        else:
+            groups.setdefault((names[0], names[1], names[2]), []).append((target, name))
+    bumped: list[PairOutcome] = []
+    verdicts = []
+    for (buggy_name, fixed_name), members in bumps.items():
+        try:
+            fetch_missing_aiter([release_parts(n)[1] for n in (buggy_name, fixed_name)])
+            order = run_cases(_backend(buggy_name), device, args.examples, args.seed)
+            found, verdict = bump_pair(members, buggy_name, fixed_name, order, args,
+                                       device_type)
+        except (AiterFetchError, RuntimeError) as exc:
+            print(f"history: {exc}", file=sys.stderr)
+            return 2
+        bumped += found
+        verdicts.append(f"difftest bump aiter {release_parts(buggy_name)[1]} "
+                        f"{release_parts(fixed_name)[1]}: {verdict}")
     outcomes: list[tuple[int, PairOutcome]] = []
     hunts, agrees, draw_seconds = [], [], 0.0
     for group, ((buggy_name, fixed_name, control_name), members) in enumerate(groups.items()):
         control = _backend(control_name).name if control_name else ""
         drawn_at = time.perf_counter()
         buggy = _backend(buggy_name)
-        sparse = generated_cases(args.examples, args.seed, default_strategy(buggy, device))
-        dense = generated_cases(dense_examples(args.examples), args.seed,
-                                default_strategy(buggy, device, dense=True))
+        ran = run_cases(buggy, device, args.examples, args.seed)
+        sparse, dense = [c for c in ran if not c.dense], [c for c in ran if c.dense]
         draw_seconds += time.perf_counter() - drawn_at
         names = (buggy_name, fixed_name, control) if control else (buggy_name, fixed_name)
         outcomes += [(group, PairOutcome(name, buggy_name, fixed_name, control,
@@ -990,12 +1098,14 @@ def main(argv: list[str] | None = None) -> int:
         o.same_case_statuses = _merge_counts(parts)
         o.profile = dict(sum((Counter(r["profile"]) for r in [hunt, *parts]), Counter()))
         o.profile["hunt wall"] = hunt["profile"]["wall"]
-    outcomes_only = [o for _, o in outcomes]
+    outcomes_only = [o for _, o in outcomes] + bumped
     sweep_results = results[len(units):]
     swept = _merge_counts(sweep_results)
     sweep_failures = [f for r in sweep_results for f in r["failures"]]
     total = time.perf_counter() - start
     print(summary(outcomes_only, swept, sweep_failures, len(swept_cases)))
+    for verdict in verdicts:
+        print(verdict)
     print(f"\ndrawing {draw_seconds:.1f} s and set-up {prepared - draw_seconds:.1f} s in the "
           f"main process; {len(units) + len(sweep_units)} units on {max(1, args.workers)} "
           f"worker(s)" + (f", worker start-up {', '.join(f'{s:.1f}' for s in worker_starts)} s"

@@ -6,6 +6,7 @@ repro     replays one case from a failure directory or case file, against its re
 export    writes a failure's kernel call as a script that runs without difftest
 promote   pins a case into the regression corpus
 merge     joins shard reports; gate compares a candidate report with a baseline
+bump      runs an AITER or vLLM bump end to end: both releases, the same cases, the gate
 audit     prints a report's parameter audit; plot draws a report
 """
 
@@ -116,6 +117,17 @@ def _report_file(text: str) -> str:
     except ReportError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _case_ids(text: str) -> list[str]:
+    """argparse type: comma-separated case ids (16 hexadecimal digits each)."""
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    bad = [i for i in ids if not re.fullmatch(r"[0-9a-f]{16}", i)]
+    if not ids or bad:
+        raise argparse.ArgumentTypeError(
+            f"{(bad or [text])[0]!r} is not a case id (allowed: 16 hexadecimal digits, "
+            "comma-separated)")
+    return ids
 
 
 def _jobs(text: str) -> int:
@@ -275,7 +287,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from difftest.machine import devices
     from difftest.reporting.report import case_records, unavailable_asked, write_report
     from difftest.results.reach import LineTrace
-    from difftest.run.plan import RunPlan, drawn_examples, execute, session_report
+    from difftest.run.plan import RunPlan, execute, session_report
     from difftest.run.recorded import recorded_runs
     from difftest.run.replay import report_previous_crashes
     from difftest.run.session import Session
@@ -284,7 +296,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         shard = Shard.parse(args.shard, "--shard") if args.shard else None
         job = Shard.parse(args.job, "--job") if args.job else None
-    except ShardError as exc:
+        if args.case_ids:  # every id named must be a case of the report
+            if not args.cases_from:
+                raise ValueError("--case-ids: allowed with --cases-from only (ids of that "
+                                 "report's cases)")
+            recorded_runs(args.cases_from, (), args.case_ids)
+    except (ShardError, ValueError) as exc:
         print(f"difftest run: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
     if job is None:
@@ -309,10 +326,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.cases_from:  # an earlier report's cases replace the corpus and generated ones
         args.no_corpus, args.examples = True, 0
     capabilities = Capabilities.probe(session.backends, session.device)
-    plan = RunPlan.build(capabilities, [] if args.no_corpus else load_corpus(),
-                         drawn_examples(capabilities, args.examples, args.seed),
-                         shard, recorded_runs(args.cases_from, [b.name for b in session.backends])
-                         if args.cases_from else ())
+    if args.cases_from:
+        plan = RunPlan.build(capabilities, [], [], shard, recorded_runs(
+            args.cases_from, [b.name for b in session.backends], args.case_ids))
+    else:
+        plan = RunPlan.drawn(capabilities, [] if args.no_corpus else load_corpus(),
+                             args.examples, args.seed, shard)
     progress = Progress(len(plan.runs))
     shown, limit = 0, max(1, FULL_FAILURES // job.count) if job else FULL_FAILURES
     # a job of --jobs keeps each record on disk as it ends: one killed loses none
@@ -458,6 +477,7 @@ def _run_jobs(args: argparse.Namespace) -> int:
     options += [f"--backends={','.join(args.backends)}"] if args.backends else []
     options += ["--no-corpus"] if args.no_corpus else []
     options += [f"--cases-from={args.cases_from}"] if args.cases_from else []
+    options += [f"--case-ids={','.join(args.case_ids)}"] if args.case_ids else []
     options += ["--reach"] if args.reach else []
     options += [f"--shard={args.shard}"] if args.shard else []
     for k, env in enumerate(gpu_envs, 1):
@@ -609,30 +629,33 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     """Compare a candidate report with a baseline; exit 1 on any regression."""
-    from difftest.reporting.gate import (
-        GateError,
-        environment_changes,
-        format_result,
-        gate,
-        reach_lines,
-    )
+    from difftest.reporting.gate import GateError, gate_lines
     from difftest.reporting.report import ReportError, read_report
 
     try:
         baseline, candidate = read_report(args.baseline), read_report(args.candidate)
-        result = gate(baseline, candidate, args.max_ratio_growth, args.ratio_floor)
+        lines, result = gate_lines(baseline, candidate, args.baseline, args.candidate,
+                                   args.max_ratio_growth, args.ratio_floor, args.all)
     except (ReportError, GateError) as exc:
         print(f"difftest gate: {exc}", file=sys.stderr)
         return EXIT_UNREADABLE
-    changes = environment_changes(baseline, candidate)
-    print(f"baseline {args.baseline} vs candidate {args.candidate}")
-    print("environment changes:" if changes else "environment: identical versions")
-    for line in changes:
-        print(printable(line))
-    for line in reach_lines(baseline, candidate):  # before the verdict, which ends it
-        print(printable(line))
-    print(format_result(result, show_all=args.all))
+    print("\n".join(lines))
     return 1 if result.failed else 0
+
+
+def cmd_bump(args: argparse.Namespace) -> int:
+    """Put both releases in place, run the baseline and the candidate on its cases, gate."""
+    from difftest.run.bump import KINDS, Bump, BumpError, bump
+
+    report_dir = Path(args.report_dir or f"reports/bump-{args.kind}-{args.old}-{args.new}")
+    try:
+        return bump(Bump(KINDS[args.kind], args.old, args.new, report_dir, args.backends,
+                         args.examples, args.seed, not args.no_corpus,
+                         str(args.jobs or "auto"),
+                         _device(args.device), args.plugin))
+    except BumpError as exc:
+        print(f"difftest bump: {exc}", file=sys.stderr)
+        return EXIT_UNREADABLE
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -680,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases-from", type=_report_file, metavar="REPORT",
                    help="run exactly the cases of this report (a baseline's), instead of the "
                    "corpus and generated cases")
+    p.add_argument("--case-ids", type=_case_ids, metavar="IDS",
+                   help="with --cases-from: only these comma-separated case ids of it")
     p.add_argument("--shard", metavar="K/N",
                    help="run only shard K of N (1-based) of the case set, split by case id")
     p.add_argument("--jobs", type=_jobs, default=1, metavar="N|auto",
@@ -752,8 +777,41 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="X", help="fail when error/tolerance grew more than X times")
     p.add_argument("--ratio-floor", type=_at_least(0.0), default=DEFAULT_RATIO_FLOOR, metavar="R",
                    help="ignore growth while the candidate's error/tolerance <= R")
-    p.add_argument("--all", action="store_true", help="list unchanged rows too")
+    p.add_argument("--all", action="store_true",
+                   help="list unchanged rows and every unreached hunk of the reach too")
     p.set_defaults(func=cmd_gate)
+
+    p = command("bump", "gate an AITER or vLLM bump in one command: put both releases in "
+                "place, run the baseline and the candidate on its cases with --reach, gate; "
+                "the last line is the verdict", f"""{BACKEND_SYNTAX}
+
+OLD and NEW: an amd-aiter version (0.1.7.post2.dev18) or tag (v0.1.20.post1), fetched from
+$DIFFTEST_AITER_REPO where missing; or a vLLM release (0.34.0). Reports, logs and artifacts go
+to --report-dir. Runners that run each side on its own image use difftest run and difftest
+gate instead.
+
+exit status: as difftest gate's (0 no regression, 1 a regression), 2 the bump could not run
+(a release that cannot be fetched, a bad argument, a run that could not start)""")
+    p.add_argument("kind", choices=("aiter", "vllm"), help="the kind of release bumped")
+    p.add_argument("old", metavar="OLD", help="the baseline's release")
+    p.add_argument("new", metavar="NEW", help="the candidate's release")
+    p.add_argument("--backends", type=_backend_names, metavar="NAMES",
+                   help="comma-separated backends (default: every backend that takes that "
+                   "kind of release and runs here)")
+    p.add_argument("--examples", type=_count, default=20,
+                   help="generated examples of the baseline's case set")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated case set")
+    p.add_argument("--no-corpus", action="store_true", help="skip the pinned corpus")
+    p.add_argument("--jobs", type=_jobs, default=1, metavar="N|auto",
+                   help="processes of each run (difftest run --jobs)")
+    p.add_argument("--report-dir", type=_directory, metavar="DIR",
+                   help="where the reports, logs and artifacts go (default: "
+                   "reports/bump-KIND-OLD-NEW)")
+    p.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
+                   help="where kernels run (auto: a GPU if one is visible)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE:ATTR|FILE.py",
+                   help="load extra backends (repeatable)")
+    p.set_defaults(func=cmd_bump)
 
     p = command("audit", "print a report's parameter audit (each kernel argument's values "
                 "over the cases, blind spots marked) and feature coverage")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks a GPU machine adds to CI's CPU suite, each part's output under OUTDIR.
 #
-#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|all]
+#   bash scripts/gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|huge|all]
 #
 # run:   `difftest backends` and the main job over every backend, natively (an AITER
 #        backend that cannot run on this GPU is --optional and says why in the report; a
@@ -35,15 +35,17 @@
 #                 each with an empty kernel cache.
 #   Each speed part takes a few minutes (speed-job the longest: a cold main job); a part
 #   stopped at SPEED_TIMEOUT seconds (default 560) keeps what it measured in speed.json.
+# huge:  caches past int32 offsets (nightly) on AITER's Triton pa_decode: docs/findings.md
+#        F36 says how its int32 page offsets fault interpreted; this is the GPU's symptom.
 # torch, Triton, vLLM (and AITER on ROCm) come from the machine's image: nothing is installed
 # here but difftest itself (`pip install --no-deps -e .` beforehand).
 set -uo pipefail
-out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|all]}
+out=${1:?usage: gpu_check.sh OUTDIR [run|fp|reference|suite|gluon|installed|export|speed|long|huge|all]}
 part=${2:-all}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 real=torch-ref,triton-unified,vllm-triton-sparse,vllm-paged-decode,vllm-decode-attention
-aiter=aiter-unified,aiter-unified@shuffled,aiter-gluon@emulated,vllm-aiter@emulated
+aiter=aiter-unified,aiter-unified@shuffled,aiter-pa-decode,aiter-gluon@emulated,vllm-aiter@emulated
 status=0
 
 step() {  # step NAME COMMAND...: run it, keep its output and status, time it
@@ -58,7 +60,7 @@ step() {  # step NAME COMMAND...: run it, keep its output and status, time it
 if [ "$part" = run ] || [ "$part" = all ]; then
   step backends "$py" -m difftest.cli backends --device cuda
   step run "$py" -m difftest.cli run --device cuda --examples 100 \
-    --backends "$real,$aiter" --optional aiter-unified,aiter-unified@shuffled \
+    --backends "$real,$aiter" --optional aiter-unified,aiter-unified@shuffled,aiter-pa-decode \
     --report "$out/run.json"
   step plugin "$py" -m difftest.cli run --device cuda --examples 100 \
     --plugin examples/plugins/sdpa_backend.py --backends torch-sdpa --report "$out/plugin.json"
@@ -124,4 +126,9 @@ case "$part" in speed | speed-* | all)
   done
   [ -f "$out/speed.json" ] && { echo "== $out/speed.json"; cat "$out/speed.json"; } ;;
 esac
+if [ "$part" = huge ] || [ "$part" = all ]; then
+  step huge env HYPOTHESIS_PROFILE=nightly "$py" -m pytest -q -rs -p no:cacheprovider \
+    tests/test_geometry.py -k int32 --difftest-backends aiter-pa-decode \
+    --difftest-report "$out/huge.json"
+fi
 exit "$status"

@@ -30,6 +30,7 @@ from difftest.case.spec import Case
 from difftest.generation.corpus import load_corpus
 from difftest.machine import devices
 from difftest.run.runner import Status, run_case
+from tests.aiter_trees import aiter_tree
 
 WHEEL, WHEEL_MISSING = chosen_source(None)
 needs_aiter = pytest.mark.skipif(WHEEL is None, reason=WHEEL_MISSING or "no AITER")
@@ -97,7 +98,14 @@ def test_the_answered_arch_sets_aiters_fp8_type() -> None:
     assert backend._fp8_type(fn, cpu) == torch.float8_e4m3fn
     pinned = backend.with_options({"arch": "gfx942"})
     assert pinned.name == "aiter-unified[arch=gfx942]"
-    assert "e4m3fnuz on gfx942" in (pinned.unsupported_reason(fn, cpu) or "")
+    assert "gfx942's fp8 is float8_e4m3fnuz" in (pinned.unsupported_reason(fn, cpu) or "")
+    # gfx1201's fp8 is e4m3fn; the wheel's types.py answers e4m3fnuz for every arch but
+    # gfx950: the loaded release refuses the case, generation (every release) does not
+    rdna = backend.with_options({"arch": "gfx1201"})
+    assert rdna.unsupported_in_every_release(fn, cpu) is None
+    if backend.source is not None and backend.source.origin == "wheel":
+        assert "fp8 type on gfx1201 is torch.float8_e4m3fnuz" in str(
+            rdna.unsupported_reason(fn, cpu))
 
 
 @needs_aiter
@@ -127,12 +135,16 @@ def test_a_bad_source_is_an_error_naming_where_it_looked(tmp_path: Path, monkeyp
     monkeypatch.setenv("DIFFTEST_AITER_ROOT", str(tmp_path))
     with pytest.raises(SourceError, match=r"aiter=v9\.9\.9: no AITER package .*fetch_aiter"):
         AiterUnified().with_options({"aiter": "v9.9.9"})
-    with pytest.raises(ValueError, match=r"arch='gfx90a' is not one of gfx942, gfx950"):
+    with pytest.raises(ValueError,
+                       match=r"arch='gfx90a' is not one of gfx942, gfx950, gfx1201"):
         AiterUnified().with_options({"arch": "gfx90a"})
     shuffled = AiterUnified(shuffled=True)
     if "shuffled_kv_cache" not in shuffled._kernel_source():
-        reason = shuffled.availability().reason
-        assert "no shuffled_kv_cache (AITER v0.1.16 on)" in reason
+        # a release without the shuffled views: every case unsupported, never a fitted draw
+        assert shuffled.availability().available
+        reason = shuffled.unsupported_reason(CORPUS["lbhnc-128-blocks-2048-2040-page-2039"],
+                                             torch.device("cpu"))
+        assert "no shuffled_kv_cache (AITER v0.1.16 on)" in str(reason)
 
 
 @on_cpu
@@ -373,3 +385,50 @@ def test_f30_the_3d_kernel_fails_on_a_head_size_of_80_before_v0_1_12() -> None:
     torch.testing.assert_close(actual.double(), expected, atol=2e-3, rtol=0)
     actual, expected = direct_3d_call(tree_from("v0.1.12"), head_dim=80)
     torch.testing.assert_close(actual.double(), expected, atol=2e-3, rtol=0)
+
+
+def direct_shuffled(source: Any, head_dim: int, nan_after: bool) -> tuple[torch.Tensor,
+                                                                          torch.Tensor]:
+    """AITER's ``unified_attention`` called directly on pre-shuffled views: one fp16 decode row
+    over page 0 of two 16-token pages of one head (page 1 NaN with ``nan_after``); its output
+    row and float64 attention over page 0."""
+    answers = DeviceAnswers.for_arch("gfx950")
+    path = source.find("ops/triton/attention/unified_attention.py")
+    unified_attention = source.load(path, answers).unified_attention
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, head_dim, generator=generator).half()
+    k = torch.randn(2, 16, 1, head_dim, generator=generator).half()
+    v = torch.randn(2, 16, 1, head_dim, generator=generator).half()
+    if nan_after:
+        k[1], v[1] = float("nan"), float("nan")
+    x = 8  # fp16 values per 16 bytes: K [n, h, D/x, P, x], V [n, h, P/x, D, x]
+    k_shuffled = k.reshape(2, 16, 1, head_dim // x, x).permute(0, 2, 3, 1, 4).contiguous()
+    v_shuffled = v.reshape(2, 16 // x, x, 1, head_dim).permute(0, 3, 1, 4, 2).contiguous()
+    out = torch.zeros(1, 1, head_dim, dtype=torch.float16)
+    with answering(answers):
+        unified_attention(
+            q=q, k=k_shuffled, v=v_shuffled, out=out,
+            cu_seqlens_q=torch.tensor([0, 1], dtype=torch.int32), max_seqlen_q=1,
+            seqused_k=torch.tensor([16], dtype=torch.int32), max_seqlen_k=16,
+            softmax_scale=head_dim**-0.5, causal=True, window_size=(-1, -1),
+            block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=0.0,
+            q_descale=None, k_descale=None, v_descale=None, shuffled_kv_cache=True)
+    keys, values = k[0, :, 0].double(), v[0, :, 0].double()
+    expected = torch.softmax(q[0].double() @ keys.T * head_dim**-0.5, -1) @ values
+    return out[0, 0].double(), expected[0]
+
+
+@on_cpu
+@pytest.mark.parametrize("tag", ["v0.1.16", "v0.1.20.post1"])
+def test_f37_shuffled_views_of_head_sizes_80_and_96_are_misread(tag: str) -> None:
+    """A pre-shuffled block of head size 96 holds 12 chunks of 8; the kernel reads 16 (its
+    padded 128) in one unmasked run: the values land in the wrong places and the read runs
+    into page 1 (NaN there makes the row NaN)."""
+    tree = aiter_tree(tag)
+    actual, expected = direct_shuffled(tree, 128, nan_after=True)
+    torch.testing.assert_close(actual, expected, atol=2e-3, rtol=0)
+    for head_dim in (80, 96):
+        actual, _ = direct_shuffled(tree, head_dim, nan_after=True)
+        assert actual.isnan().all(), (tag, head_dim)
+        actual, expected = direct_shuffled(tree, head_dim, nan_after=False)
+        assert (actual - expected).abs().max() > 0.5, (tag, head_dim)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -164,8 +164,11 @@ def test_default_cpu_backends_run_every_example_and_vary_their_dtypes() -> None:
     assert sum(any(b.unsupported_reason(c, CPU) for b in backends) for c in plain) >= 15
     capabilities = Capabilities.probe(backends, CPU)
     ran = ran_by(capabilities, generated_cases(50, 0, capabilities.strategy))
+    older = Counter()  # the variants for older releases that lack what a run needs
+    for (name, _, reason), count in capabilities.fitted.items():
+        older[name] += count * reason.startswith("for its releases that refuse it: ")
     for backend in backends:
-        assert len(ran[backend.name]) == 50
+        assert len(ran[backend.name]) == 50 + older[backend.name]
         assert not any(backend.unsupported_reason(c, CPU) for c in ran[backend.name])
     assert {c.query_dtype for c in ran["aiter-gluon@emulated"]} == {"float16", "bfloat16"}
     assert {c.query_dtype for c in ran["triton-unified"]} == {"float16", "float32"}
@@ -189,7 +192,12 @@ def test_run_runs_each_fitted_variant_on_its_backends(tmp_path: Path, device_nam
             per_backend[result["backend"]] += 1
         if entry["name"]:
             assert " fitted: " in entry["name"]
-    assert per_backend == {"aiter-gluon@emulated": 4, "triton-unified": 4}
+    # triton-unified also runs the variants its releases without kv_quant_mode run
+    older = sum(int(line.split(" of 4 ")[0].rsplit(" ", 1)[1])
+                for line in data["config"]["generation"]
+                if line.startswith("fitted for triton-unified: ")
+                and ": for its releases that refuse it: " in line)
+    assert per_backend == {"aiter-gluon@emulated": 4, "triton-unified": 4 + older}
     assert data["config"]["generation"][-1] == "examples some backend could not run: 0 of 4 " \
                                                "(0.0%)"
 
@@ -221,3 +229,31 @@ def test_a_prefill_example_is_fitted_to_a_backend_without_query_lens() -> None:
     assert runs[("no-prefill",)].changes == ("query_lens off",)
     assert runs[("no-prefill",)].case == example.mode_off("query_lens")
     assert runs[("no-bf16",)].case == example
+
+
+@dataclasses.dataclass
+class Released(Picky):
+    """A stand-in whose older releases refuse what ``older`` says."""
+
+    older: object = None
+
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        return "older releases lack it" if self.older(case) else None  # type: ignore[misc]
+
+
+def test_an_example_older_releases_refuse_also_runs_their_nearest_variant() -> None:
+    """A float32-query example on a backend whose older releases run float16 only: the drawn
+    case (the newer releases run it) and its float16 variant (every release runs it)."""
+    backend = Released("released", lambda c: c.query_dtype == "bfloat16", "no bf16",
+                       older=lambda c: c.query_dtype != "float16")
+    example = Case(num_blocks=2, seq_lens=(5,), block_tables=((1,),), selections=((0,),),
+                   query_dtype="float32")
+    capabilities = Capabilities.probe([backend], CPU)
+    runs = capabilities.fit(example)
+    assert [(r.case.query_dtype, r.backends, r.changes) for r in runs] == [
+        ("float32", ("released",), ()),
+        ("float16", ("released",), ("query_dtype float32 -> float16",))]
+    assert ("fitted for released: 1 of 1 example(s) ran with query_dtype float32 -> float16: "
+            "for its releases that refuse it: older releases lack it") in capabilities.lines()
+    assert capabilities.fit(example.replace(query_dtype="float16"))[0].changes == ()
+    assert len(capabilities.fit(example.replace(query_dtype="float16"))) == 1

@@ -77,3 +77,27 @@ def test_an_unreadable_report_is_refused_naming_the_file_and_entry(tmp_path: Pat
         cli.main(["run", "--device", "cpu", "--cases-from", str(missing)])
     assert exit_info.value.code == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_case_ids_run_only_those_cases_of_the_report(tmp_path: Path, capsys) -> None:
+    """What a gate prints for a ROCm runner: ``--cases-from R --case-ids A,B``."""
+    other = TINY.replace(seed=5)
+    path = _report(tmp_path, [_record(TINY, [BACKEND]), _record(other, [BACKEND])])
+    assert [c.case_id for c, _ in recorded_runs(path, [BACKEND], [other.case_id])] == [
+        other.case_id]
+    out = tmp_path / "subset.json"
+    common = ["run", "--device", "cpu", "--backends", BACKEND, "--artifacts",
+              str(tmp_path / "art"), "--cases-from", str(path)]
+    assert cli.main([*common, "--case-ids", other.case_id, "--report", str(out)]) == 0
+    assert [c["case_id"] for c in read_report(out)["cases"]] == [other.case_id]
+    capsys.readouterr()
+    assert cli.main([*common, "--case-ids", "0123456789abcdef"]) == 2
+    assert "holds no case 0123456789abcdef (--case-ids: 1 of 1 not in it)" in (
+        capsys.readouterr().err)
+    assert cli.main(["run", "--device", "cpu", "--case-ids", TINY.case_id]) == 2
+    assert "--case-ids: allowed with --cases-from only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*common, "--case-ids", "not-an-id"])
+    assert exit_info.value.code == 2
+    assert "'not-an-id' is not a case id (allowed: 16 hexadecimal digits" in (
+        capsys.readouterr().err)

@@ -327,3 +327,15 @@ def test_known_bugs_stay_change_and_go_without_failing_the_gate(
     code, out = _gate(tmp_path, capsys, base, cand)
     assert code == int(fails), out
     assert (f"FAIL {verdict}" if fails else f"  {verdict}") in out, out
+
+
+def test_a_case_the_candidates_release_newly_supports_passes_unless_it_fails(
+        tmp_path, capsys, baseline) -> None:
+    older = copy.deepcopy(baseline)
+    _result(older).update(status="unsupported", comparison=None)
+    code, out = _gate(tmp_path, capsys, older, baseline)
+    assert code == 0 and "newly supported" in out, out
+    failing = copy.deepcopy(baseline)
+    _result(failing)["status"] = "disagree"
+    code, out = _gate(tmp_path, capsys, older, failing)
+    assert code == 1 and "FAIL newly supported, disagree" in out, out

@@ -15,23 +15,22 @@ import torch
 
 from benchmarks.history import (
     KNOWN_BUGS,
-    AiterFetchError,
-    aiter_specs,
     attribute,
     example_label,
-    fetch_missing_aiter,
     known_bugs,
     release_of,
+    release_parts,
     release_version,
+    run_cases,
 )
+from difftest.backends.aiter_release import AiterFetchError, fetch_missing
 from difftest.backends.aiter_triton import SourceError
 from difftest.backends.aiter_triton import resolve as resolve_aiter
 from difftest.backends.torch_ref import TorchReference
 from difftest.backends.vllm_release import ReleaseError
 from difftest.case.spec import Case
 from difftest.contract.registry import RegistryError, discover, select
-from difftest.generation.capabilities import Capabilities
-from difftest.generation.dense import dense_cases, dense_examples
+from difftest.generation.dense import dense_cases
 from difftest.generation.generate import generated_cases
 from difftest.run.runner import Status, run_case
 
@@ -108,8 +107,7 @@ def test_window_and_canaries_both_needed_show_the_window_bug() -> None:
 
 def test_example_labels_and_aiter_options() -> None:
     assert example_label(12, 50) == "12" and example_label(54, 50) == "54 (dense 4)"
-    assert aiter_specs(["aiter-unified[aiter=v0.1.11]", "triton-unified[vllm=0.31.0]",
-                        "aiter-unified@shuffled[arch=gfx942,aiter=/a/b]"]) == ["v0.1.11", "/a/b"]
+    assert release_parts("aiter-unified[aiter=v0.1.11]") == ("aiter-unified", "v0.1.11")
 
 
 def _git(*args: str, cwd: Path) -> None:
@@ -121,9 +119,9 @@ def _git(*args: str, cwd: Path) -> None:
 
 def test_a_missing_aiter_tag_is_fetched_or_the_command_named(tmp_path: Path,
                                                              monkeypatch) -> None:
-    """The benchmark fetches a tag it names with ``scripts/fetch_aiter.sh``, from a repository
-    URL as on a clean machine (a shallow fetch of the tag); a tag that cannot be fetched
-    stops it with the command to run elsewhere."""
+    """A bump fetches a tag it names as ``scripts/fetch_aiter.sh`` does, from a repository URL
+    as on a clean machine (a shallow fetch of the tag); a tag that cannot be fetched stops it
+    with the command to run elsewhere."""
     repo = tmp_path / "repo"
     (repo / "aiter" / "ops" / "triton").mkdir(parents=True)
     (repo / "aiter" / "ops" / "triton" / "kernel.py").write_text("X = 1\n")
@@ -135,12 +133,12 @@ def test_a_missing_aiter_tag_is_fetched_or_the_command_named(tmp_path: Path,
     monkeypatch.setenv("DIFFTEST_AITER_REPO", f"file://{repo}")
     with pytest.raises(SourceError):
         resolve_aiter("v9.9.9")
-    assert fetch_missing_aiter(["v9.9.9", "/some/path"]) == ["v9.9.9"]
+    assert fetch_missing(["v9.9.9", "/some/path"]) == ["v9.9.9"]
     assert resolve_aiter("v9.9.9").version == "9.9.9"
-    assert fetch_missing_aiter(["v9.9.9"]) == []  # there already
-    with pytest.raises(AiterFetchError, match=r"aiter=v9\.9\.8: bash scripts/fetch_aiter\.sh "
-                       r"v9\.9\.8 failed .*DIFFTEST_AITER_REPO"):
-        fetch_missing_aiter(["v9.9.8"])
+    assert fetch_missing(["v9.9.9"]) == []  # there already
+    with pytest.raises(AiterFetchError, match=r"aiter=v9\.9\.8: fetching tag v9\.9\.8 of .* "
+                       r"failed .*bash scripts/fetch_aiter\.sh v9\.9\.8 .*DIFFTEST_AITER_REPO"):
+        fetch_missing(["v9.9.8"])
     assert sorted(p.name for p in (tmp_path / "root").iterdir()) == ["v9.9.9"]
 
 
@@ -159,16 +157,15 @@ def _release(bug: object, release: str) -> object:
 @pytest.mark.parametrize("bug", FIXED_BUGS, ids=[b.name for b in FIXED_BUGS])
 def test_the_default_strategies_reach_each_historical_bug_within_50_examples(
         bug, device_name) -> None:
-    """The cases ``difftest run --backends <buggy> --examples 50`` draws (50 sparse, 10
-    dense) hold one that triggers this bug; on the first that only it explains, the buggy
+    """The cases ``difftest run --backends <buggy> --examples 50`` runs on the buggy release
+    (50 sparse and 10 dense examples, and the variants its older releases run) hold one that
+    triggers this bug; on the first that only it explains, the buggy
     release fails as the bug does, and the fixed release and the control agree unless a
     known bug of their own explains the case."""
     device = torch.device(device_name)
     buggy, fixed = _release(bug, bug.buggy), _release(bug, bug.fixed)
     others = [fixed] + ([select(discover(), [bug.control])[0]] if bug.control else [])
-    capabilities = Capabilities.probe([buggy], device)
-    drawn = [*generated_cases(50, 0, capabilities.strategy),
-             *generated_cases(dense_examples(50), 0, capabilities.dense_strategy)]
+    drawn = run_cases(buggy, device, 50, 0)
     release = release_of(buggy)
     runnable = [c for c in drawn if bug.name in known_bugs(release, c)
                 and buggy.unsupported_reason(c, device) is None]

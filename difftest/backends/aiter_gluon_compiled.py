@@ -385,6 +385,7 @@ class AiterGluonCompiled:
     page-16 table) calling a tree's real launcher, compiled for the arch."""
 
     in_page_orders = ("shuffled",)
+    releases = ("aiter",)  # the release kinds it runs (aiter=, $DIFFTEST_AITER)
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         given = dict(options or {})
@@ -454,6 +455,7 @@ class VllmAiterCompiled(VllmAiter):
     empty rows it declares."""
 
     real_options = emulated_options = COMPILED_VLLM_OPTIONS
+    releases = ("vllm", "aiter")  # vLLM's caller, AITER's launcher
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         given = dict(options or {})

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.backends.private_tree import PrivateTreeFinder
+from difftest.backends.vllm_arch import ARCHES
 from difftest.machine.triton_compile import not_interpreted
 
 ROOT_ENV = "DIFFTEST_AITER_ROOT"
@@ -54,8 +55,8 @@ DEFAULT_ROOT = Path("~/.cache/difftest/aiter")
 WHEEL_DIR = "difftest-aiter"  # under the venv's prefix: where setup unpacks the PyPI wheel
 VERSION_FILE = "difftest-aiter-version"  # written by scripts/fetch_aiter.sh beside aiter/
 
-# Compute units of the CDNA GPUs whose arch a CPU run answers (MI300X, MI355X).
-COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256}
+# Compute units of the GPUs whose arch a CPU run answers (MI300X, MI355X, Radeon AI PRO R9700).
+COMPUTE_UNITS = {"gfx942": 304, "gfx950": 256, "gfx1201": 64}
 # The arch whose AITER fp8 type (``aiter.ops.triton.utils.types.e4m3_dtype``) is each format.
 ARCH_OF_FP8 = {"float8_e4m3fnuz": "gfx942", "float8_e4m3fn": "gfx950"}
 
@@ -87,7 +88,7 @@ class DeviceAnswers:
     def describe(self) -> str:
         """One line for ``versions()``."""
         return (f"{self.arch} (Triton's active driver reports target hip/{self.arch}, "
-                f"warp 64; get_num_sms() -> {self.compute_units})")
+                f"warp {ARCHES[self.arch].wave}; get_num_sms() -> {self.compute_units})")
 
 
 class _AnsweringDriver:
@@ -97,10 +98,10 @@ class _AnsweringDriver:
         self.arch = arch
 
     def get_current_target(self) -> object:
-        """``GPUTarget("hip", arch, 64)``."""
+        """``GPUTarget("hip", arch, wave)``: 64-lane waves on CDNA, 32 on RDNA."""
         from triton.backends.compiler import GPUTarget
 
-        return GPUTarget("hip", self.arch, 64)
+        return GPUTarget("hip", self.arch, ARCHES[self.arch].wave)
 
     def get_current_device(self) -> int:
         """Device 0."""

@@ -18,8 +18,10 @@ programs per compute unit. vLLM's split-K launch fields of a case (``split_k_seg
 ``seq_threshold_3d``) are vLLM's own and not passed.
 
 Options: ``aiter=<path or name>`` (:mod:`difftest.backends.aiter_triton`: which AITER tree);
-``arch=gfx942|gfx950`` (CPU only: the gfx arch answered on AITER's behalf; default per case,
-the arch whose AITER fp8 type is the case's fp8 format, gfx950 for 16-bit caches).
+``arch=gfx942|gfx950|gfx1201`` (CPU only: the GPU answered on AITER's behalf, so its config
+selection and arch queries take that GPU's branches; default per case, the arch whose fp8
+is the case's fp8 format, gfx950 for 16-bit caches). On the CPU the launches AITER chose
+(kernel, tiles, warps, stages, ``waves_per_eu``) are counted for the run's reach.
 Native on a ROCm GPU; on the CPU under ``TRITON_INTERPRET=1``.
 """
 
@@ -48,6 +50,7 @@ from difftest.backends.triton_unified import (
     MODE_OFF,
 )
 from difftest.backends.unified_call import real_output, unified_attention_arguments
+from difftest.backends.vllm_arch import ARCHES, record_launches
 from difftest.backends.vllm_imports import triton_precision
 from difftest.case.selection import kernel_sequences
 from difftest.case.spec import Case
@@ -68,6 +71,7 @@ KERNEL_FILES = ("ops/triton/attention/unified_attention.py",
 IMPL_FILES = ("ops/triton/_triton_kernels/attention/unified_attention.py",
               "ops/triton/_triton_kernels/unified_attention.py")
 TYPES_FILES = ("ops/triton/utils/types.py",)
+LAUNCHED = ("kernel_unified_attention_2d", "kernel_unified_attention_3d", "reduce_segments")
 CASTS_KV = "K = K_load.to(Q.dtype)"  # the kernels convert every K/V tile (v0.1.12 on)
 MAX_2D_SEQLEN_K = 512  # AITER: max_seqlen_k <= 512 always takes the 2-D kernel
 
@@ -109,6 +113,8 @@ def kernel_path(case: Case, compute_units: int) -> str:
 class AiterUnified:
     """Adapter from a case to AITER's ``unified_attention`` (plain or shuffled views)."""
 
+    releases = ("aiter",)  # the release kinds it runs (aiter=, $DIFFTEST_AITER)
+
     def __init__(self, shuffled: bool = False, options: Mapping[str, str] | None = None) -> None:
         self.shuffled = shuffled
         base = "aiter-unified@shuffled" if shuffled else "aiter-unified"
@@ -127,20 +133,18 @@ class AiterUnified:
         self._modules: dict[str, Any] = {}
 
     def with_options(self, options: Mapping[str, str]) -> AiterUnified:
-        """``aiter=<path or name>``, ``arch=gfx942|gfx950``."""
+        """``aiter=<path or name>``, ``arch=gfx942|gfx950|gfx1201``."""
         return AiterUnified(self.shuffled, options)
 
     def availability(self) -> Availability:
-        """Needs an AITER tree with Triton ``unified_attention`` (and ``shuffled_kv_cache``
-        for the shuffled views), and a GPU or the Triton interpreter."""
+        """Needs an AITER tree with Triton ``unified_attention`` and a GPU or the Triton
+        interpreter (a release without the shuffled views reports each case
+        ``unsupported``)."""
         if self.source is None:
             return Availability(False, self.source_error)
         if self.source.find(*KERNEL_FILES) is None:
             return Availability(False, f"AITER {self.source.version} at {self.source.package} "
                                 f"has no {' or '.join(KERNEL_FILES)}")
-        if self.shuffled and "shuffled_kv_cache" not in self._kernel_source():
-            return Availability(False, f"AITER {self.source.version}'s unified_attention has "
-                                "no shuffled_kv_cache (AITER v0.1.16 on)")
         if devices.visible_gpu_count() == 0 and not devices.interpreted():
             return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets "
                                 "it for --device cpu before Triton is imported)")
@@ -153,35 +157,63 @@ class AiterUnified:
                                 "Triton's target; this GPU is not AMD")
         return Availability(True)
 
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 and fp8 queries under the interpreter (F1, F12); fp8 queries on releases
-        without ``q_descale``; fp8 formats that are not the arch's AITER fp8 type; before
-        v0.1.12, mixed 16/32-bit dtypes (no cast of 16/32-bit K/V); fp8 queries on shuffled
-        page-16 views."""
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """bf16 and fp8 queries under the interpreter (F1, F12); a layout without the views
+        it reads; an fp8 format that is not the arch's own (AITER's kernels read the arch's
+        fp8 type); fp8 queries on shuffled page-16 views; per-token-head scale caches."""
         if device.type == "cpu" and case.query_dtype == "bfloat16":
             return INTERPRETER_BF16_FINDING
         if self.in_page_orders[0] not in case.layout.in_page_orders:
             return (f"kv_layout {case.kv_layout} has no {self.in_page_orders[0]} pages (AITER's "
                     f"pre-shuffled views exist for the LBHNC and LHBNC caches)")
-        if case.is_fp8:
-            arch = self._answers(case).arch if device.type == "cpu" else "this GPU's arch"
-            fp8 = self._fp8_type(case, device)
-            if torch_dtype(case.kv_dtype) != fp8:
-                return (f"{case.kv_dtype}: AITER's fp8 type on {arch} is {fp8} "
-                        "(aiter.ops.triton.utils.types.e4m3_dtype: e4m3fnuz on gfx942, "
-                        "e4m3fn on gfx950); the kernel asserts or misreads other formats")
+        arch = self._answers(case).arch if device.type == "cpu" else devices.amd_arch(device)
+        if case.is_fp8 and arch in ARCHES and case.kv_dtype != ARCHES[arch].fp8:
+            return (f"{case.kv_dtype}: {arch}'s fp8 is {ARCHES[arch].fp8}, the type AITER's "
+                    "kernels read the cache as (aiter.ops.triton.utils.types.e4m3_dtype)")
         if case.q_scale:
             if device.type == "cpu":
                 return INTERPRETER_FP8_QUERY_FINDING
-            if "assert q_descale is None" in self._kernel_source():
-                return (f"fp8 queries: AITER {self._version()}'s unified_attention asserts "
-                        "q_descale is None (q descale from v0.1.12)")
             if self.shuffled:
                 return ("fp8 queries on shuffled fp8 views: AITER asserts block_size >= 32 "
                         "for A8W8 with a pre-shuffled cache; these views have 16-token pages")
         if case.kv_quant == "per_token_head":
             return ("AITER's unified_attention has no per-token-head scale caches (one "
                     "k_descale and v_descale per tensor)")
+        return None
+
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What releases before v0.1.12 (the wheel included) lack: the cast of 16/32-bit K/V
+        to the query dtype, and q descale (the shuffled views, v0.1.16 on, have both)."""
+        if self.shuffled:
+            return None
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return ("a 16/32-bit cache of another dtype than the query: releases before "
+                    "v0.1.12 cast only fp8 K/V to the query dtype")
+        if case.q_scale:
+            return "fp8 queries: releases before v0.1.12 assert q_descale is None"
+        return None
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses in every release (:meth:`unsupported_in_every_release`); then what
+        the loaded release lacks: the shuffled views before v0.1.16, fp8 queries before
+        ``q_descale``, a release whose fp8 type on the arch is another format (of the cache or
+        of an fp8 output), before v0.1.12 mixed 16/32-bit dtypes (no cast of 16/32-bit K/V)."""
+        reason = self.unsupported_in_every_release(case, device)
+        if reason is not None:
+            return reason
+        if self.shuffled and "shuffled_kv_cache" not in self._kernel_source():
+            return (f"AITER {self._version()}'s unified_attention has no shuffled_kv_cache "
+                    "(AITER v0.1.16 on)")
+        if case.is_fp8:
+            arch = self._answers(case).arch if device.type == "cpu" else "this GPU's arch"
+            fp8 = self._fp8_type(case, device)
+            if torch_dtype(case.kv_dtype) != fp8:
+                return (f"{case.kv_dtype}: AITER {self._version()}'s fp8 type on {arch} is "
+                        f"{fp8} (aiter.ops.triton.utils.types.e4m3_dtype); the kernel asserts "
+                        "or misreads other formats")
+        if case.q_scale and "assert q_descale is None" in self._kernel_source():
+            return (f"fp8 queries: AITER {self._version()}'s unified_attention asserts "
+                    "q_descale is None (q descale from v0.1.12)")
         if case.output_scale and torch_dtype(case.output_dtype) != self._fp8_type(case, device):
             return (f"an fp8 output in {case.output_dtype}: AITER saturates it at its fp8 "
                     f"type's maximum, {self._fp8_type(case, device)}'s")
@@ -221,10 +253,11 @@ class AiterUnified:
                      "aiter_loading": "Triton ops modules executed from the tree under a "
                      "private name; aiter/__init__ and package re-exports skipped"}
         if devices.interpreted():
-            arch = self.arch or "per case: gfx942 for float8_e4m3fnuz, else gfx950"
             versions["aiter_answered"] = (
-                f"arch {arch} (Triton's active driver reports hip/<arch>, warp 64); "
-                f"get_num_sms() -> {', '.join(f'{a}: {n}' for a, n in COMPUTE_UNITS.items())}")
+                DeviceAnswers.for_arch(self.arch).describe() if self.arch else
+                "per case: gfx942 for float8_e4m3fnuz, else gfx950 (Triton's active driver "
+                "reports hip/<arch>, warp 64; get_num_sms() -> "
+                f"{', '.join(f'{a}: {n}' for a, n in COMPUTE_UNITS.items())})")
         return versions
 
     def _version(self) -> str:
@@ -253,7 +286,10 @@ class AiterUnified:
             path = source.find(*file)
             if path is None:
                 raise RuntimeError(f"AITER {source.version} has no {' or '.join(file)}")
-            self._modules[key] = source.load(path, answers)
+            module = source.load(path, answers)
+            if answers is not None and file == KERNEL_FILES:
+                record_launches(module, LAUNCHED)
+            self._modules[key] = module
         return self._modules[key]
 
     def _fp8_type(self, case: Case, device: torch.device) -> torch.dtype:

@@ -125,20 +125,53 @@ class TritonUnifiedAttention(VllmAdapter):
         return TritonUnifiedAttention(self.allow_interpreter_bf16, free.get("vllm"),
                                       self.allow_interpreter_fp8_query, free.get("arch"))
 
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 and fp8 queries under the interpreter (F1, F12); fp8 queries a release cannot
-        descale; e4m3fnuz on NVIDIA GPUs; on releases before ``kv_quant_mode`` (which cast
-        only fp8 K/V to the query dtype), mixed 16/32-bit dtypes."""
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """bf16 and fp8 queries under the interpreter (F1, F12); e4m3fnuz on NVIDIA GPUs;
+        fp8 queries, or an fp8 output, of another fp8 dtype than the platform's."""
         reason = self.interpreter_bf16_reason(case, device) or self.fnuz_reason(case, device)
         if reason:
             return reason
         if case.q_scale:
             if device.type == "cpu" and not self.allow_interpreter_fp8_query:
                 return INTERPRETER_FP8_QUERY_FINDING
-            reason = self._fp8_query_reason(case)
-            if reason:
-                return reason
-        reason = self._serving_terms_reason(case, device)
+            if case.kv_dtype != self._platform_fp8():
+                return (f"fp8 queries in {case.kv_dtype}: vLLM applies q_descale only to "
+                        f"queries of its platform's fp8 dtype, {self._platform_fp8()}")
+        if case.output_scale and case.output_dtype != self._platform_fp8():
+            return (f"an fp8 output in {case.output_dtype}: vLLM saturates it at its "
+                    f"platform's fp8 maximum, {self._platform_fp8()}'s")
+        return None
+
+    def _platform_fp8(self) -> str:
+        """The fp8 dtype vLLM's platform (or the emulated arch) quantises to."""
+        from vllm.platforms import current_platform
+
+        return self.arch.fp8 if self.arch else dtype_name(current_platform.fp8_dtype())
+
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What older releases lack: ``kv_quant_mode`` (they cast only fp8 K/V to the query
+        dtype), the query descale and per-token-head scale caches."""
+        if not case.is_fp8 and case.query_dtype != case.kv_dtype:
+            return ("a 16/32-bit cache of another dtype than the query: releases without "
+                    "kv_quant_mode cast only fp8 K/V to the query dtype")
+        if case.q_scale:
+            return "fp8 queries: older releases assert q_descale is None"
+        if case.kv_quant == "per_token_head":
+            return "per-token-head scale caches: older releases have no FP8_PER_TOKEN_HEAD"
+        return None
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses in every release (:meth:`unsupported_in_every_release`); then fp8
+        queries on a release without q descale, a serving term the release lacks, and on
+        releases before ``kv_quant_mode`` (which cast only fp8 K/V to the query dtype) mixed
+        16/32-bit dtypes."""
+        reason = self.unsupported_in_every_release(case, device)
+        if reason is not None:
+            return reason
+        if case.q_scale and "Q_IS_FP8" not in self._source():
+            return (f"fp8 queries: vLLM {self.version()}'s unified_attention has no q descale "
+                    "(it asserts q_descale is None)")
+        reason = self._serving_terms_reason(case)
         if reason:
             return reason
         if not case.is_fp8 and case.query_dtype != case.kv_dtype and not self._casts_kv():
@@ -148,11 +181,9 @@ class TritonUnifiedAttention(VllmAdapter):
                     f"{case.kv_dtype})")
         return None
 
-    def _serving_terms_reason(self, case: Case, device: torch.device) -> str | None:
-        """Why this release cannot run the case's serving terms here, if it cannot: a
-        parameter it lacks; an fp8 output in another format than the platform's (the kernel
-        saturates at its platform's fp8 maximum); per-token-head scales without
-        ``FP8_PER_TOKEN_HEAD``."""
+    def _serving_terms_reason(self, case: Case) -> str | None:
+        """Why this release cannot run the case's serving terms, if it cannot: a parameter
+        it lacks; per-token-head scales without ``FP8_PER_TOKEN_HEAD``."""
         if not case.serving_terms:
             return None
         parameters = inspect.signature(self._kernel()).parameters
@@ -166,27 +197,6 @@ class TritonUnifiedAttention(VllmAdapter):
                 self._kernel().__globals__.get("KVQuantMode"), "FP8_PER_TOKEN_HEAD"):
             return (f"vLLM {self.version()}'s KVQuantMode has no FP8_PER_TOKEN_HEAD "
                     "(per-token-head scale caches)")
-        if case.output_scale:
-            from vllm.platforms import current_platform
-
-            platform = (self.arch.fp8 if self.arch
-                        else dtype_name(current_platform.fp8_dtype()))
-            if case.output_dtype != platform:
-                return (f"an fp8 output in {case.output_dtype}: vLLM saturates it at its "
-                        f"platform's fp8 maximum, {platform}'s")
-        return None
-
-    def _fp8_query_reason(self, case: Case) -> str | None:
-        """Why this release cannot run fp8 queries of ``case``'s fp8 dtype, if it cannot."""
-        if "Q_IS_FP8" not in self._source():
-            return (f"fp8 queries: vLLM {self.version()}'s unified_attention has no q descale "
-                    "(it asserts q_descale is None)")
-        from vllm.platforms import current_platform
-
-        platform = self.arch.fp8 if self.arch else dtype_name(current_platform.fp8_dtype())
-        if case.kv_dtype != platform:
-            return (f"fp8 queries in {case.kv_dtype}: vLLM applies q_descale only to queries "
-                    f"of its platform's fp8 dtype, {platform}")
         return None
 
     def _source(self) -> str:

@@ -77,6 +77,8 @@ class VllmAdapter:
     """The ``@triton.jit`` kernels whose launches are recorded under ``arch=``."""
     bf16_dots: ClassVar[tuple[str, ...]] = ("query_dtype",)
     """The case's dtype fields whose bfloat16 the interpreter miscomputes in the kernel."""
+    releases: ClassVar[tuple[str, ...]] = ("vllm",)
+    """The release kinds it runs the chosen release of (``difftest bump vllm`` runs it)."""
     interpreter_bf16_finding: ClassVar[str]
     """The reason a bfloat16 case is refused under the interpreter (:data:`INTERPRETER_BF16_FINDING`
     where the kernel has no pin of its own)."""

@@ -66,23 +66,40 @@ class VllmDecodeAttention(VllmAdapter):
         free, _ = self.split_options(options)
         return VllmDecodeAttention(**free)
 
-    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 queries or a bf16 cache under the interpreter (F1); sliding windows before
-        0.34.0 and fp8 queries (no such parameter); e4m3fnuz on NVIDIA GPUs."""
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """bf16 queries or a bf16 cache under the interpreter (F1); fp8 queries and the
+        serving terms (no such parameters); e4m3fnuz on NVIDIA GPUs."""
         reason = self.interpreter_bf16_reason(case, device)
         if reason:
             return reason
-        if case.sliding_window and "sliding_window" not in self._parameters():
-            return f"vLLM {self.version()}'s decode_attention_fwd has no sliding window"
         if case.q_scale:
             return "decode_attention_fwd has no query descale (fp8 queries)"
         if case.serving_terms:
             return (f"decode_attention_fwd has no {' and '.join(case.serving_terms)} "
                     "(no sinks, ALiBi slopes, fp8 output or per-token-head scale caches)")
+        return self.fnuz_reason(case, device)
+
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What older releases lack: the sliding window (before 0.34.0) and fp8 caches
+        (``k_scale``)."""
+        if case.sliding_window:
+            return "releases before 0.34.0 have no sliding window"
+        if case.is_fp8:
+            return "older releases have no k_scale/v_scale (fp8 caches)"
+        return None
+
+    def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses in every release (:meth:`unsupported_in_every_release`); then
+        sliding windows before 0.34.0 and fp8 caches on releases without ``k_scale``."""
+        reason = self.unsupported_in_every_release(case, device)
+        if reason is not None:
+            return reason
+        if case.sliding_window and "sliding_window" not in self._parameters():
+            return f"vLLM {self.version()}'s decode_attention_fwd has no sliding window"
         if case.is_fp8 and "k_scale" not in self._parameters():
             return (f"vLLM {self.version()}'s decode_attention_fwd has no k_scale/v_scale "
                     "(fp8 caches)")
-        return self.fnuz_reason(case, device)
+        return None
 
     def precision(self, case: Case, device: torch.device) -> Precision:
         """q @ K in the query dtype (K cast to it), P rounded to V's dtype (the query dtype

@@ -87,6 +87,7 @@ class VllmTritonSparse(VllmAdapter):
     kernel_what = "MiniMax-M3 sparse decode"
     interpreter_bf16_finding = INTERPRETER_BF16_FINDING
     in_page_orders = ("plain",)
+    releases = ("vllm",)  # the release kinds it runs (vllm=, $DIFFTEST_VLLM)
 
     def __init__(self, options: Mapping[str, str] | None = None) -> None:
         free, own = self.split_options(options or {}, own=True)

@@ -6,10 +6,12 @@ order, the framework's sparse page table, the stored query), then returns its ou
 declared, never guessed: which cases it supports (with the reason when not), the precision of
 its rounding stages, and what it writes on rows that attend nothing.
 
-Two capabilities are optional, each its own protocol so that a call site checks for it by
+Three capabilities are optional, each its own protocol so that a call site checks for it by
 type: a :class:`ReferenceBackend` also computes the float64 :class:`Reference` the others are
-judged against, and a :class:`ConfigurableBackend` builds configured copies of itself from the
-options of a name like ``base[key=value,...]``.
+judged against, a :class:`ConfigurableBackend` builds configured copies of itself from the
+options of a name like ``base[key=value,...]``, and a :class:`ReleaseSelectableBackend`
+(one that runs the kernels of a chosen vLLM or AITER release) says apart what it refuses in
+every release, which is all that generation asks (:func:`refusal_in_every_release`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Precision:
     ``operands`` before the sum (an elementwise multiply and a reduction instead of a dot);
     ``flushes_subnormal_outputs``: an output below ``output``'s normal range may be stored as
     zero (flush-to-zero, e.g. a GPU's FTZ mode on the last stage).
+    ``scaled_query_rounded``: q times the softmax scale is rounded to ``operands`` before
+    the products, so a q already of that dtype is rounded too (the scale is inside).
     """
 
     operands: str
@@ -66,6 +70,7 @@ class Precision:
     output: str
     rounded_products: bool = False
     flushes_subnormal_outputs: bool = False
+    scaled_query_rounded: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,62 @@ class ConfigurableBackend(Backend, Protocol):
     def with_options(self, options: Mapping[str, str]) -> Backend:
         """A copy configured by ``options``; raises ``ValueError`` naming a bad one."""
         ...
+
+
+@runtime_checkable
+class ReleaseSelectableBackend(Backend, Protocol):
+    """A backend running the kernels of a chosen release: ``releases`` names the kinds it
+    takes (``"vllm"``: ``vllm=`` or ``$DIFFTEST_VLLM``; ``"aiter"``: ``aiter=`` or
+    ``$DIFFTEST_AITER``), which ``difftest bump`` reads. One whose ``unsupported_reason``
+    depends on the release also says what it refuses in every release, and what some older
+    release lacked, so generation fits its examples to those releases too; one that only has
+    ``releases`` refuses the same in every release."""
+
+    releases: tuple[str, ...]
+
+    def unsupported_in_every_release(self, case: Case, device: torch.device) -> str | None:
+        """What it refuses whatever release it loads (the adapter's, the device's and the
+        interpreter's limits), read without loading a release; ``unsupported_reason`` adds
+        what the loaded release lacks."""
+        ...
+
+    def unsupported_in_some_release(self, case: Case, device: torch.device) -> str | None:
+        """What some release it takes refuses beyond that (a cast or a parameter older
+        releases lack), read without loading a release: generation also gives those
+        releases the nearest variant they run."""
+        ...
+
+
+def refusal_in_every_release(backend: Backend, case: Case, device: torch.device
+                             ) -> str | None:
+    """Why ``backend`` refuses ``case`` whatever release it loads: its
+    ``unsupported_in_every_release`` where it has one, else its ``unsupported_reason``.
+
+    Generation asks this, never the loaded release, so a seed's case set (fitted variants
+    included) is the same under every release; a case the loaded release cannot run is then
+    ``unsupported`` on that side of a bump (``difftest gate``: "no longer supported", "newly
+    supported").
+    """
+    every_release = getattr(backend, "unsupported_in_every_release", None)
+    if callable(every_release):
+        return every_release(case, device)
+    return backend.unsupported_reason(case, device)
+
+
+def refusal_in_some_release(backend: Backend, case: Case, device: torch.device
+                            ) -> str | None:
+    """Why some release ``backend`` takes refuses ``case`` where it knows (its
+    ``unsupported_in_some_release``: what its older releases lacked); ``None`` else.
+    Generation also fits each example to those releases, so an old release runs the
+    example's nearest variant it can instead of reporting the example ``unsupported`` only."""
+    some_release = getattr(backend, "unsupported_in_some_release", None)
+    return some_release(case, device) if callable(some_release) else None
+
+
+def releases_taken(backend: Backend) -> tuple[str, ...]:
+    """The release kinds ``backend`` runs the chosen release of (its ``releases``; none
+    without)."""
+    return tuple(getattr(backend, "releases", ()) or ())
 
 
 REFERENCE_METHODS = ("reference", "working_bytes")  # what ReferenceBackend adds to Backend

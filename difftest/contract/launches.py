@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-LAUNCH_KEYS = ("num_warps", "num_stages", "TILE_SIZE", "BLOCK_M", "BLOCK_Q",
+LAUNCH_KEYS = ("num_warps", "num_stages", "waves_per_eu", "TILE_SIZE", "BLOCK_M", "BLOCK_Q",
                "NUM_SEGMENTS_PER_SEQ", "IS_3D")
 _launches: dict[str, dict[str, int]] = {}  # kernel module -> launch parameters -> count
 

@@ -54,7 +54,8 @@ class Tolerance:
     @classmethod
     def of(cls, precision: Precision, case: Case) -> Tolerance:
         """The tolerance of ``precision`` on ``case``: q and K/V already of the operand dtype
-        are not charged a rounding; rounded products are (one rounding each, the same error
+        are not charged a rounding (q is, where the softmax scale is applied before its
+        rounding); rounded products are (one rounding each, the same error
         term as a rounded operand: docs/tolerance.md); an fp8 cache's ``v_scale`` may scale
         the accumulator."""
         scale = max(1.0, case.v_scale) if is_fp8(case.kv_dtype) else 1.0
@@ -65,7 +66,8 @@ class Tolerance:
         if case.q_scale or unit_roundoff(precision.operands) <= unit_roundoff("float32"):
             # fp8 x fp8 dots on GPUs; float32 accumulation error
             return cls(precision, accumulator_scale=scale, **terms)
-        return cls(precision, rounds_query=case.query_dtype != precision.operands,
+        return cls(precision, rounds_query=(case.query_dtype != precision.operands
+                                            or precision.scaled_query_rounded),
                    rounds_kv=case.kv_dtype != precision.operands,
                    rounds_products=precision.rounded_products, accumulator_scale=scale,
                    **terms)

@@ -1,20 +1,26 @@
 """Capability-aware generation: every drawn example runs on every chosen backend.
 
-A backend declares what it runs through ``unsupported_reason(case, device)``. Probing it on a
-one-block case of every ``(kv_layout, query_dtype, kv_dtype)`` tells which dtype combinations
-it refuses outright (bf16 queries under Triton's interpreter, fp32 queries on AITER). The
-strategy draws from every combination *some* chosen backend runs, with the kernel modes
-(softcap, sliding window, ...) if some backend runs them, so no argument a backend accepts is
-held fixed because another backend refuses it.
+A backend declares what it runs through ``unsupported_reason(case, device)``; generation asks
+only what it refuses in every release (:func:`~difftest.contract.backend.
+refusal_in_every_release`), so the vLLM or AITER release a backend loaded never changes a
+seed's cases, fitted variants included: what one release lacks is ``unsupported`` on that
+side. Probing a backend on a one-block case of every ``(kv_layout, query_dtype, kv_dtype)``
+tells which dtype combinations it refuses outright (bf16 queries under Triton's interpreter,
+fp32 queries on AITER). The strategy draws from every combination *some* chosen backend
+runs, with the kernel modes (softcap, sliding window, ...) if some backend runs them, so no
+argument a backend accepts is held fixed because another backend refuses it.
 
 Each drawn example is then **fitted** per backend (:meth:`Capabilities.fit`): a backend that
-refuses the drawn case runs the nearest variant it accepts, the same structure, seed and data
-with the fewest fields changed (another query dtype, another KV dtype, a kernel mode off), so
-the boundary the example carries (the last block, a page id past 2**16, a 1-token tail) is
-tested by every backend. A variant is a case of its own (its own id, on disk before it runs;
-its ``name`` says what it was fitted from). A refusal no variant avoids (a non-canonical
-selection some backend refuses) is met while drawing: the example is drawn again, up to a
-few times, and kept anyway at the end (the backend then reports it ``unsupported``).
+refuses the drawn case runs the nearest variant it accepts, and one whose older releases
+lack what its run needs (``unsupported_in_some_release``: a cast, a parameter) also runs the
+nearest variant every release runs, so an old release still meets the example's boundary.
+A variant has the same structure, seed and data with the fewest fields changed (another query
+dtype, another KV dtype, a kernel mode off), so the boundary the example carries (the last
+block, a page id past 2**16, a 1-token tail) is tested by every backend. A variant is a case of
+its own (its own id, on disk before it runs; its ``name`` says what it was fitted from). A
+refusal no variant avoids (a non-canonical selection some backend refuses) is met while
+drawing: the example is drawn again, up to a few times, and kept anyway at the end (the backend
+then reports it ``unsupported``).
 :meth:`Capabilities.lines` says what was fitted or not drawn, for which backend and why.
 """
 
@@ -30,7 +36,11 @@ import torch
 from hypothesis import strategies as st
 
 from difftest.case.spec import KV_LAYOUTS, Case, CaseError
-from difftest.contract.backend import Backend
+from difftest.contract.backend import (
+    Backend,
+    refusal_in_every_release,
+    refusal_in_some_release,
+)
 from difftest.generation.dense import CPU_COST, dense_cases
 from difftest.generation.strategies import DtypeCombo, cases, dtype_combos
 from difftest.primitives.dtypes import FP8_DTYPES, KV_DTYPES, QUERY_DTYPES, torch_dtype
@@ -155,13 +165,13 @@ class Capabilities:
                 skipped.append((backend.name, f"unavailable: {availability.reason}"))
                 continue
             try:
-                answers = [(combo, backend.unsupported_reason(probe_case(combo), device))
-                           for combo in every]
+                answers = [(combo, refusal_in_every_release(backend, probe_case(combo),
+                                                            device)) for combo in every]
                 runs = [combo for combo, reason in answers if reason is None]
                 # it runs the kernel modes if it runs one of them (fitting turns the others
                 # off per example)
-                mode_reasons = [backend.unsupported_reason(
-                    probe_case(runs[0]).replace(**{mode: value}), device)
+                mode_reasons = [refusal_in_every_release(
+                    backend, probe_case(runs[0]).replace(**{mode: value}), device)
                     for mode, value in MODE_PROBE.items()] if runs else []
                 mode_reason = ("; ".join(dict.fromkeys(r for r in mode_reasons if r))
                                if mode_reasons and all(mode_reasons) else None)
@@ -184,18 +194,35 @@ class Capabilities:
         """Whether some backend runs the kernel modes (so the strategy draws them)."""
         return len(self.modes_refused) < len(self.backends)
 
+    def refusal(self, backend: Backend, case: Case) -> str | None:
+        """Why ``backend`` refuses ``case`` in every release (``None``: it runs it)."""
+        return refusal_in_every_release(backend, case, self.device)
+
     def unsupported_by(self, case: Case) -> list[tuple[str, str]]:
         """``(backend, reason)`` for every chosen backend that refuses ``case`` itself."""
         return [(b.name, reason) for b in self.backends
-                if (reason := b.unsupported_reason(case, self.device)) is not None]
+                if (reason := self.refusal(b, case)) is not None]
 
     def _fit_one(self, backend: Backend, case: Case
                  ) -> tuple[Case, tuple[str, ...]] | None:
         """The drawn case or the nearest variant ``backend`` runs; ``None``: none."""
-        if backend.unsupported_reason(case, self.device) is None:
+        if self.refusal(backend, case) is None:
             return case, ()
         for variant, changes in variants(case):
-            if backend.unsupported_reason(variant, self.device) is None:
+            if self.refusal(backend, variant) is None:
+                return variant, changes
+        return None
+
+    def _fit_older(self, backend: Backend, case: Case, running: Case
+                   ) -> tuple[Case, tuple[str, ...]] | None:
+        """Where some release ``backend`` takes refuses ``running`` (its run of the drawn
+        ``case``), the nearest variant of ``case`` that every such release runs; ``None``
+        where none refuses it or no variant is left."""
+        if refusal_in_some_release(backend, running, self.device) is None:
+            return None
+        for variant, changes in variants(case):
+            if variant.case_id != running.case_id and self.refusal(backend, variant) is None \
+                    and refusal_in_some_release(backend, variant, self.device) is None:
                 return variant, changes
         return None
 
@@ -203,16 +230,17 @@ class Capabilities:
         """Whether every backend runs ``case`` or a variant of it; counts the refusals of the
         ones that run neither (the example is then drawn again)."""
         missing = [b for b in self.backends if self._fit_one(b, case) is None]
-        self.redrawn.update((b.name, str(b.unsupported_reason(case, self.device)))
+        self.redrawn.update((b.name, str(self.refusal(b, case)))
                             for b in missing)
         return not missing
 
     def fit(self, case: Case) -> list[Fitted]:
-        """The runs of one drawn example: the drawn case on the backends that run it, and each
-        variant on the backends that run it instead (a backend that runs no variant is listed
-        with the drawn case, where it reports ``unsupported``, and so is every backend the
-        probe left out, which reports itself ``unavailable`` or its error); a run no backend
-        is left for is dropped. Counted for :meth:`lines`."""
+        """The runs of one drawn example: the drawn case on the backends that run it, each
+        variant on the backends that run it instead, and the variants for the releases that
+        refuse a backend's run (:meth:`_fit_older`) on that backend too (a backend that runs
+        no variant is listed with the drawn case, where it reports ``unsupported``, and so is
+        every backend the probe left out, which reports itself ``unavailable`` or its error);
+        a run no backend is left for is dropped. Counted for :meth:`lines`."""
         groups: dict[str, tuple[Case, tuple[str, ...], list[str]]] = {
             case.case_id: (case, (), [name for name, _ in self.skipped])}
         self.examples += 1
@@ -221,13 +249,18 @@ class Capabilities:
             found = self._fit_one(backend, case)
             if found is None:
                 unfit = True
-                self.unfit[(backend.name, str(backend.unsupported_reason(case, self.device)))] += 1
+                self.unfit[(backend.name, str(self.refusal(backend, case)))] += 1
                 found = (case, ())
             elif found[1]:
-                reason = str(backend.unsupported_reason(case, self.device))
+                reason = str(self.refusal(backend, case))
                 self.fitted[(backend.name, found[1], reason)] += 1
             variant, changes = found
             groups.setdefault(variant.case_id, (variant, changes, []))[2].append(backend.name)
+            older = self._fit_older(backend, case, variant)
+            if older is not None:  # also the nearest variant every release it takes runs
+                self.fitted[(backend.name, older[1], f"for its releases that refuse it: "
+                             f"{refusal_in_some_release(backend, variant, self.device)}")] += 1
+                groups.setdefault(older[0].case_id, (*older, []))[2].append(backend.name)
         self.examples_unfit += unfit
         out = []
         for variant, changes, names in groups.values():

@@ -116,6 +116,13 @@ def nan_past_context_in_page(inputs: RunInputs) -> torch.Tensor:
     return _as_heads(case, _sequences_closed(case, hit))
 
 
+def every_attending_row(inputs: RunInputs) -> torch.Tensor:
+    """A bug in every tile a kernel reads (a lane mask, a misread block layout): every row
+    that attends a token."""
+    case, rows = inputs.case, inputs.rows
+    return _as_heads(case, np.array([row.context_len > 0 for row in rows], dtype=bool))
+
+
 def alibi_offset_beside_sinks(inputs: RunInputs) -> torch.Tensor:
     """F39: ALiBi offset from the context's end instead of the query position, which a sink
     does not forgive: every query row of a kernel sequence past its first."""
@@ -168,6 +175,7 @@ def largest_logits(inputs: RunInputs) -> torch.Tensor:
 Model = Callable[[RunInputs], torch.Tensor]
 MODELS: dict[str, Model] = {
     "alibi_offset_beside_sinks": alibi_offset_beside_sinks,
+    "every_attending_row": every_attending_row,
     "nan_before_window": nan_before_window,
     "nan_in_tile_before_window": nan_in_tile_before_window,
     "nan_past_context_in_page": nan_past_context_in_page,

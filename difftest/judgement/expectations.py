@@ -5,7 +5,8 @@ the cases that trigger it. ``expectations.json`` beside this module (package dat
 bug once, keyed by the backends it concerns, the releases that have it (a PEP 440 specifier
 over one ``versions`` entry of the backend, e.g. ``amd-aiter <=0.1.20.post1``), the condition
 on the case under which it can show (case fields), and what it does: ``error``, a text the
-backend's error contains, for a bug that raises; otherwise ``model``, the name of the bug's
+backend's error contains, for a bug that raises; ``crash`` for one that takes its process
+down; otherwise ``model``, the name of the bug's
 model (:mod:`difftest.judgement.bug_rows`), which predicts from the case which rows and heads
 it makes wrong, with ``nonfinite`` when they are NaN or inf.
 
@@ -25,7 +26,7 @@ a strict xfail): the bug may be fixed, so the entry must be revisited; an entry 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ import torch
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from difftest.case.selection import build_rows
+from difftest.case.spec import Case, CaseError
 from difftest.contract.backend import RunInputs
 from difftest.contract.compare import WrongElements
 from difftest.judgement.bug_rows import MODELS
@@ -83,6 +86,7 @@ class Expectation:
         if self.error or self.model not in MODELS:
             return torch.zeros((case.total_q, case.num_q_heads), dtype=torch.bool)
         return MODELS[self.model](inputs).to(device="cpu", dtype=torch.bool)
+    crash: bool = False
 
     def concerns(self, result: ResultRecord) -> bool:
         """Whether ``result`` comes from a backend and release this bug is known in."""
@@ -96,9 +100,14 @@ class Expectation:
 
     def triggered_by(self, case: Mapping[str, Any]) -> bool:
         """Whether the case meets the condition (absent fields read as 0/false; ``topk``
-        and ``max_seqlen_k``, the longest selection and it times the block size, derived)."""
+        and ``max_seqlen_k``, the longest selection and it times the block size,
+        ``k_view_elements``, the elements of the K page view, and ``longest_context``, the
+        most tokens a row attends, derived)."""
         derived = {"topk": max((len(row) for row in case.get("selections", ())), default=0)}
         derived["max_seqlen_k"] = derived["topk"] * case.get("block_size", 128)
+        for name, derive in GEOMETRY.items():
+            if name in self.when:
+                derived[name] = _derived(case, derive)
         for name, test in self.when.items():
             value = case.get(name, derived.get(name, 0))
             if "equals" in test and value != test["equals"]:
@@ -121,15 +130,18 @@ def explain(expectations: Iterable[Expectation], inputs: RunInputs, result: Resu
             wrong: WrongElements | None) -> KnownBug | None:
     """The known bugs in ``result`` (failing) of ``inputs.case``, judged from their models and
     where the output was wrong (``wrong``, for a disagreement), or ``None`` when no known bug
-    explains any of it. An error is a known bug whose ``error`` text its detail contains; a
+    explains any of it. A crash is a known bug marked ``crash``; an error, one whose
+    ``error`` text its detail contains; a
     disagreement is the known bugs whose models explain its wrong rows and heads
     (:meth:`Expectation.explained`): wholly, or, with anything left unexplained (rows, heads,
     finite elements where the bug writes NaN, an empty row's violation), as a new failure
     with the known part named."""
-    if result.status not in (Status.DISAGREE, Status.ERROR):
-        return None  # a crash is never a known bug
     case = inputs.case.to_dict()
     met = [e for e in expectations if e.concerns(result) and e.triggered_by(case)]
+    if result.status is Status.CRASH:
+        crashed = next((e for e in met if e.crash), None)
+        return None if crashed is None else KnownBug((FindingRows(crashed.finding, None),),
+                                                     False)
     if result.status is Status.ERROR:
         raised = next((e for e in met if e.error and e.error in result.detail), None)
         return None if raised is None else KnownBug((FindingRows(raised.finding, None),), False)
@@ -147,6 +159,21 @@ def explain(expectations: Iterable[Expectation], inputs: RunInputs, result: Resu
         return None
     left = (wrong.wrong & ~covered).any(dim=1) | wrong.violations
     return KnownBug(tuple(parts), bool(left.any()), row_ranges(left.nonzero()[:, 0].tolist()))
+
+
+# conditions derived from the case's geometry, computed only for the entries that name them
+GEOMETRY: dict[str, Callable[[Case], int]] = {
+    "k_view_elements": lambda c: c.k_view_pages * c.page_size * c.num_kv_heads * c.head_dim,
+    "longest_context": lambda c: max((r.context_len for r in build_rows(c)), default=0),
+}
+
+
+def _derived(case: Mapping[str, Any], derive: Callable[[Case], int]) -> int:
+    """``derive`` of the case (0 for a dict that is no valid case)."""
+    try:
+        return derive(Case.from_dict(dict(case)))
+    except (CaseError, TypeError, ValueError):
+        return 0
 
 
 @dataclass
@@ -194,7 +221,8 @@ class Judgement:
 
 
 _ENTRY_FIELDS = {"finding": str, "summary": str, "backends": list, "releases": str,
-                 "when": dict, "nonfinite": bool, "error": str, "strict": bool, "model": str}
+                 "when": dict, "nonfinite": bool, "error": str, "strict": bool, "model": str,
+                 "crash": bool}
 
 
 def _expectation(entry: Any, where: str) -> Expectation:
@@ -219,15 +247,15 @@ def _expectation(entry: Any, where: str) -> Expectation:
                 raise ExpectationError(f"{where}.when.{name}: an object with "
                                        f"{', '.join(_FIELD_TESTS)} is needed")
         error, model = entry.get("error", ""), entry.get("model", "")
-        if not error and model not in MODELS:
+        if not error and not entry.get("crash") and model not in MODELS:
             raise ExpectationError(f"{where}.model: {model!r} is not a bug model (allowed: "
                                    f"{', '.join(MODELS)}; or an 'error' text for a bug that "
-                                   "raises)")
+                                   "raises, or 'crash': true)")
         key, _, specifier = entry["releases"].partition(" ")
         return Expectation(entry["finding"], entry.get("summary", ""),
                            tuple(entry["backends"]), key, SpecifierSet(specifier), when,
                            entry.get("nonfinite", False), error, entry.get("strict", True),
-                           model)
+                           model, bool(entry.get("crash", False)))
     except KeyError as exc:
         raise ExpectationError(f"{where}: missing field {exc.args[0]!r}") from exc
     except InvalidSpecifier as exc:

@@ -19,7 +19,7 @@ from difftest.machine.gpus import gpu_vendor, physical_gpu_count, visible_gpu_co
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEVICE_CHOICES", "gpu_vendor", "interpreted", "physical_gpu_count",
+__all__ = ["DEVICE_CHOICES", "amd_arch", "gpu_vendor", "interpreted", "physical_gpu_count",
            "prepare_runtime", "resolve", "to_device", "visible_gpu_count"]
 
 DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -71,6 +71,16 @@ def prepare_runtime(device: str) -> None:
 def interpreted() -> bool:
     """Whether Triton kernels run in the interpreter in this process."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def amd_arch(device: torch.device) -> str | None:
+    """The gfx architecture of an AMD GPU ``device`` (``gcnArchName`` without its feature
+    flags, e.g. ``gfx942``); ``None`` on the CPU or another vendor's GPU."""
+    if device.type != "cuda" or gpu_vendor() != "amd":
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_properties(device).gcnArchName).split(":")[0]
 
 
 def share_cpu_threads(processes: int) -> int:

@@ -27,9 +27,11 @@ a ``triton-unified[vllm=0.30.0]`` or ``$DIFFTEST_VLLM`` run loaded its kernel fr
 
 A known bug that stays (``still known bug F28``) or turns into another known bug
 (``known bug F25 -> F21``), a failure that became a known bug, a newly supported case
-showing a known bug, fixed cases (a known bug or a failure that now agrees) and cases new in
-the candidate are listed but never fail the gate. Reports that list a backend twice in one
-case are refused (:class:`GateError`: which result would be judged?).
+showing a known bug, fixed cases (a known bug or a failure that now agrees), cases new in the
+candidate and cases the candidate newly supports (its release runs what the baseline's
+reported ``unsupported``) are listed but never fail the gate; a newly supported case that
+fails anew does. Reports that list a backend twice in one case are refused
+(:class:`GateError`: which result would be judged?).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from difftest.results.records import FAILING, NOT_RUN, CaseRecord, ResultRecord,
 
 DEFAULT_MAX_RATIO_GROWTH = 2.0
 DEFAULT_RATIO_FLOOR = 0.5
+HUNKS_SHOWN = 5  # unreached hunks listed per changed file (all with --all)
 
 
 class GateError(ValueError):
@@ -119,8 +122,12 @@ def _judge(base: ResultRecord | None, cand: ResultRecord | None, growth: float,
         if b in NOT_RUN:
             return (f"newly supported: known bug {known}", False)
         return (f"known bug {known} newly shows", True)
+    beyond = (f" beyond known bug {_findings(cand)}"
+              if cand.is_new_failure and cand.known_bug is not None else "")
+    if b is Status.UNSUPPORTED and c not in NOT_RUN:  # the candidate's release runs it
+        return (f"newly supported, {c.value}{beyond}" if c in FAILING else "newly supported",
+                c in FAILING)
     if cand.is_new_failure and (c != b or base.is_known_bug):
-        beyond = f" beyond known bug {_findings(cand)}" if cand.known_bug is not None else ""
         return (f"new {c.value}{beyond}", True)
     if c is Status.UNSUPPORTED and b not in NOT_RUN:
         return ("no longer supported", True)
@@ -234,12 +241,13 @@ def environment_changes(baseline: dict[str, Any], candidate: dict[str, Any]) -> 
     return lines
 
 
-def reach_lines(baseline: dict[str, Any], candidate: dict[str, Any]) -> list[str]:
+def reach_lines(baseline: dict[str, Any], candidate: dict[str, Any],
+                max_hunks: int | None = None) -> list[str]:
     """Which changed lines of the kernel trees the candidate's run executed
     (:func:`difftest.results.reach.reach_lines`): a passing gate over unreached code says so."""
     from difftest.results.reach import reach_lines as lines
 
-    return lines(baseline, candidate)
+    return lines(baseline, candidate, max_hunks)
 
 
 def _fmt_ratio(ratio: float | None) -> str:
@@ -274,3 +282,24 @@ def format_result(result: GateResult, show_all: bool = False) -> str:
     else:
         lines.append(f"GATE PASSED: no regression; {tail}")
     return "\n".join(lines)
+
+
+def gate_lines(baseline: dict[str, Any], candidate: dict[str, Any], baseline_path: str,
+               candidate_path: str, max_ratio_growth: float = DEFAULT_MAX_RATIO_GROWTH,
+               ratio_floor: float = DEFAULT_RATIO_FLOOR, show_all: bool = False
+               ) -> tuple[list[str], GateResult]:
+    """What ``difftest gate`` prints, its verdict line last: the environment changes, the
+    reach of the changed code, the changes of device code compiled without running
+    (:func:`difftest.results.reach.device_code_lines`) and the table (``show_all``: every
+    row and every unreached hunk, else the changed rows and :data:`HUNKS_SHOWN` hunks of a
+    file); and the result."""
+    from difftest.results.reach import device_code_lines
+
+    changes = environment_changes(baseline, candidate)
+    lines = [f"baseline {baseline_path} vs candidate {candidate_path}",
+             "environment changes:" if changes else "environment: identical versions",
+             *map(printable, [*changes, *reach_lines(baseline, candidate,
+                                                     None if show_all else HUNKS_SHOWN),
+                              *device_code_lines(baseline, candidate, candidate_path)])]
+    result = gate(baseline, candidate, max_ratio_growth, ratio_floor)
+    return [*lines, format_result(result, show_all)], result

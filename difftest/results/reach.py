@@ -1,21 +1,24 @@
-"""Reach: which changed lines of a vLLM bump a run executed.
+"""Reach: which changed lines of a vLLM or AITER bump a run executed.
 
 Under Triton's interpreter a ``@triton.jit`` body runs as Python (compiled with its file's
 name and line numbers), so one line trace covers a launcher and its kernels; on a GPU only
 the host side is Python, and the lines inside ``@triton.jit`` bodies are counted apart as
 not measurable there. :class:`LineTrace` (coverage.py) records the lines a run executes in
-the files of every ``vllm`` package tree; ``difftest run --reach`` keeps them in the report
-under ``config.reach``. :func:`tree_reach` diffs each file the candidate's run executed
-between the baseline's and the candidate's tree of a backend (the ``vllm_path`` its versions
-name) and counts the changed statements of the candidate's file that the run executed; each
-unreached hunk comes with the condition that kept it out (an ``if`` whose test ran and never
-took that branch, a function never called). :func:`reach_lines` renders it for ``difftest
-gate``. docs/reach.md explains the counting.
+the files of every ``vllm`` and ``aiter`` package tree; ``difftest run --reach`` keeps them in
+the report under ``config.reach``. :func:`tree_reach` diffs each file the candidate's run
+executed between the baseline's and the candidate's tree of a backend (the ``vllm_path`` or
+``aiter_path`` its versions name) and counts the changed statements of the candidate's file
+that the run executed; each unreached hunk comes with the condition that kept it out (an
+``if`` whose test ran and never took that branch, a function never called). :func:`reach_lines`
+renders it for ``difftest gate``. Kernels compiled for a GPU the CPU cannot run are compared
+by the fingerprints of their device code (:func:`device_code_lines`). docs/reach.md explains
+the counting.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,11 +27,13 @@ from typing import Any
 
 from difftest.contract.launches import clear_launches, counted_launches
 
-PACKAGES = ("vllm",)
+PACKAGES = ("vllm", "aiter")
+# the versions key naming the package tree a backend's kernels came from, per package
+TREE_KEYS = {f"{package}_path": package for package in PACKAGES}
 
 
 class LineTrace:
-    """coverage.py's line trace over the files of every ``vllm`` package tree."""
+    """coverage.py's line trace over the files of every ``vllm`` and ``aiter`` package tree."""
 
     def __init__(self) -> None:
         import coverage
@@ -95,6 +100,7 @@ class FileReach:
     ran: int
     unmeasured: int
     hunks: tuple[Hunk, ...]
+    moved_from: str = ""  # the baseline tree's copy when it sits at another path
 
 
 @dataclass(frozen=True)
@@ -262,16 +268,16 @@ def _read(path: Path) -> str | None:
 
 def tree_reach(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[TreeReach]:
     """Per (baseline tree, candidate tree) pair of the backends both reports name with a
-    ``vllm_path``: the reach of every file the candidate's run executed
+    ``vllm_path`` or ``aiter_path``: the reach of every file the candidate's run executed
     in its tree that differs from the baseline tree's copy, and the changed files of the
     candidate's tree that ran from another tree (the venv's ``vllm.platforms``, say)."""
     pairs: dict[tuple[str, str], list[str]] = {}
     for name in sorted(baseline["backends"].keys() & candidate["backends"].keys()):
         ours = baseline["backends"][name].get("versions") or {}
         theirs = candidate["backends"][name].get("versions") or {}
-        if ours.get("vllm_path") and theirs.get("vllm_path") and (
-                ours["vllm_path"] != theirs["vllm_path"]):
-            pairs.setdefault((ours["vllm_path"], theirs["vllm_path"]), []).append(name)
+        for key in TREE_KEYS:
+            if ours.get(key) and theirs.get(key) and ours[key] != theirs[key]:
+                pairs.setdefault((ours[key], theirs[key]), []).append(name)
     cand_reach = candidate["config"].get("reach")
     trees = []
     for (old, new), names in sorted(pairs.items()):
@@ -290,15 +296,33 @@ def tree_reach(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> lis
         for relative in sorted(executed):
             new_text = _read(Path(new) / relative)
             old_text = _read(Path(old) / relative)
+            moved = "" if old_text is not None else moved_from(Path(old), relative)
+            if moved:
+                old_text = _read(Path(old) / moved)
             if new_text is None or new_text == old_text:
                 continue
             reach = file_reach(relative, old_text, new_text, executed[relative],
                                bool(cand_reach.get("kernel_bodies")))
             if reach is not None:
-                found.append(reach)
+                found.append(dataclasses.replace(reach, moved_from=moved))
         trees.append(TreeReach(tuple(names), old, new, tuple(found),
                                _elsewhere(cand_reach, Path(new))))
     return trees
+
+
+def moved_from(old: Path, relative: str) -> str:
+    """The file of the ``old`` tree that ``relative`` (absent there) moved from: of the files
+    with its name, the one whose directories best match its own (AITER moved
+    ``ops/triton/unified_attention.py`` to ``ops/triton/attention/``); ``""`` when none, or
+    when two match equally."""
+    parts = Path(relative).parts
+    scored = sorted(((difflib.SequenceMatcher(None, parts, path.relative_to(old).parts)
+                      .ratio(), path.relative_to(old).as_posix())
+                     for path in old.rglob(Path(relative).name) if path.is_file()),
+                    reverse=True)
+    if not scored or (len(scored) > 1 and scored[0][0] == scored[1][0]):
+        return ""
+    return scored[0][1]
 
 
 def _elsewhere(reach: Mapping[str, Any], package: Path) -> tuple[tuple[str, str], ...]:
@@ -315,10 +339,12 @@ def _elsewhere(reach: Mapping[str, Any], package: Path) -> tuple[tuple[str, str]
     return tuple(found)
 
 
-def reach_lines(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[str]:
+def reach_lines(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
+                max_hunks: int | None = None) -> list[str]:
     """The gate's reach section: per tree pair and changed file, the changed statements
-    the candidate's run executed, each unreached hunk with its condition, and a plain
-    warning when changed code went unreached."""
+    the candidate's run executed, each unreached hunk with its condition (the first
+    ``max_hunks`` of a file, then how many more), and a plain warning when changed code went
+    unreached."""
     trees = tree_reach(baseline, candidate)
     if not trees:
         return []
@@ -338,13 +364,20 @@ def reach_lines(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> li
         for item in tree.files:
             note = (f", {item.unmeasured} inside @triton.jit bodies not measurable here"
                     if item.unmeasured else "")
-            lines.append(f"    {item.path}: {item.ran} of {item.changed} changed statements "
-                         f"ran{note}")
-            for hunk in item.hunks:
+            moved = f" (moved from {item.moved_from})" if item.moved_from else ""
+            lines.append(f"    {item.path}{moved}: {item.ran} of {item.changed} changed "
+                         f"statements ran{note}")
+            shown = item.hunks if max_hunks is None else item.hunks[:max_hunks]
+            for hunk in shown:
                 where = (f"line {hunk.first}" if hunk.first == hunk.last
                          else f"lines {hunk.first}-{hunk.last}")
                 lines.append(f"      unreached {where} ({hunk.statements} statements): "
                              f"{hunk.reason}")
+            if len(shown) < len(item.hunks):
+                rest = item.hunks[len(shown):]
+                lines.append(f"      ... {len(rest)} more unreached hunks "
+                             f"({sum(h.statements for h in rest)} statements; difftest gate "
+                             "--all lists them)")
             unreached += item.changed - item.ran
             unmeasured += item.unmeasured
         for other in sorted({where for where, _ in tree.elsewhere}):
@@ -361,4 +394,103 @@ def reach_lines(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> li
                      + ": the verdict says nothing about them")
     elif all(not tree.problem for tree in trees):
         lines.append("REACH: every changed statement of the executed files ran")
+    return lines
+
+
+@dataclass(frozen=True)
+class DeviceCodeChange:
+    """One kernel on one arch across a bump: its specializations (the shapes run) compiled on
+    both sides, those whose machine code changed, and the cases that ran a changed one."""
+
+    kernel: str
+    arch: str
+    compared: int
+    changed: int
+    one_side: int
+    resources: tuple[str, ...]
+    backends: tuple[str, ...]
+    case_ids: tuple[str, ...]
+
+
+RESOURCES = ("vgprs", "sgprs", "lds_bytes", "spills", "occupancy")
+
+
+def _device_code(report: Mapping[str, Any]
+                 ) -> dict[tuple[str, str, str], tuple[dict[str, Any], set[str], set[str]]]:
+    """``(kernel, arch, specialization) -> (fingerprint, case ids, backends)`` over every
+    result's stated calls that carry ``device_code`` (read defensively: an entry without the
+    fields is skipped)."""
+    found: dict[tuple[str, str, str], tuple[dict[str, Any], set[str], set[str]]] = {}
+    for case in report.get("cases") or ():
+        for result in case.get("results") or ():
+            for call in result.get("calls") or ():
+                for code in (call.get("device_code") or ()) if isinstance(call, dict) else ():
+                    if not isinstance(code, dict) or not all(
+                            isinstance(code.get(k), str) for k in ("kernel", "arch", "sha256")):
+                        continue
+                    key = (code["kernel"], code["arch"], str(code.get("specialization", "")))
+                    entry = found.setdefault(key, (code, set(), set()))
+                    entry[1].add(str(case.get("case_id")))
+                    entry[2].add(str(result.get("backend")))
+    return found
+
+
+def device_code_changes(baseline: Mapping[str, Any], candidate: Mapping[str, Any]
+                        ) -> list[DeviceCodeChange]:
+    """Per (kernel, arch) compiled on either side: the specializations both sides compiled,
+    how many of them changed machine code (``sha256``), those only one side compiled, the
+    resource changes (registers, LDS, spills, occupancy) of the changed ones, and the
+    candidate's cases that ran a changed or new one."""
+    ours, theirs = _device_code(baseline), _device_code(candidate)
+    by_kernel: dict[tuple[str, str], list[tuple[str, str, str]]] = {}
+    for key in sorted(ours.keys() | theirs.keys()):
+        by_kernel.setdefault(key[:2], []).append(key)
+    changes = []
+    for (kernel, arch), keys in by_kernel.items():
+        both = [k for k in keys if k in ours and k in theirs]
+        changed = [k for k in both if ours[k][0]["sha256"] != theirs[k][0]["sha256"]]
+        new = [k for k in keys if k in theirs and k not in ours]
+        resources = dict.fromkeys(
+            f"{field} {ours[k][0].get(field)} -> {theirs[k][0].get(field)}"
+            for k in changed for field in RESOURCES
+            if ours[k][0].get(field) != theirs[k][0].get(field))
+        cases = sorted({c for k in changed + new for c in theirs[k][1]})
+        backends = sorted({b for k in changed + new for b in theirs[k][2]})
+        changes.append(DeviceCodeChange(kernel, arch, len(both), len(changed),
+                                        len(keys) - len(both), tuple(resources),
+                                        tuple(backends), tuple(cases)))
+    return changes
+
+
+def rocm_backend(name: str) -> str:
+    """The backend that runs a compiled-only backend's kernels natively: ``name`` without
+    its variant and options (``aiter-gluon@compiled[arch=gfx950]`` -> ``aiter-gluon``)."""
+    return name.partition("[")[0].partition("@")[0]
+
+
+def device_code_lines(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
+                      candidate_path: str = "CANDIDATE") -> list[str]:
+    """The gate's device-code section: per arch and kernel compiled without running, whether
+    its machine code changed between the sides for the shapes run, and for a change the
+    command that runs those cases where the numerics can be checked (a ROCm runner)."""
+    changes = device_code_changes(baseline, candidate)
+    if not changes:
+        return []
+    lines = ["device code of the kernels compiled for GPUs this machine cannot run (by "
+             "kernel, arch and specialization):"]
+    for change in changes:
+        shapes = f"{change.compared} shape{'s' if change.compared != 1 else ''}"
+        extra = (f"; {change.one_side} compiled on one side only" if change.one_side else "")
+        if not change.changed and not change.one_side:
+            lines.append(f"  {change.arch}: {change.kernel} unchanged for {shapes}")
+            continue
+        what = (f"changed for {change.changed} of {shapes}" if change.changed
+                else f"unchanged for {shapes}")
+        resources = f" ({', '.join(change.resources[:4])})" if change.resources else ""
+        lines.append(f"  {change.arch}: {change.kernel} {what}{resources}{extra}: numerics "
+                     "need a ROCm runner")
+        backends = ",".join(dict.fromkeys(rocm_backend(b) for b in change.backends))
+        lines.append(f"    on a {change.arch} runner with the candidate's release: difftest run "
+                     f"--backends {backends} --cases-from {candidate_path} --case-ids "
+                     f"{','.join(change.case_ids)}")
     return lines

@@ -68,6 +68,14 @@ class RunPlan:
             runs = [run for run in runs if shard.contains(run.case)]
         return cls(tuple(runs), tuple(capabilities.lines()), case_set)
 
+    @classmethod
+    def drawn(cls, capabilities: Capabilities, corpus: Iterable[Case], examples: int, seed: int,
+              shard: Shard | None = None) -> RunPlan:
+        """:meth:`build` over ``examples`` generated sparse examples of ``seed`` and the dense
+        family's share of them (:func:`drawn_examples`)."""
+        return cls.build(capabilities, corpus, drawn_examples(capabilities, examples, seed),
+                         shard)
+
     def counts(self) -> dict[str, int]:
         """The whole case set's runs by origin (``corpus``, ``generated``, ``fitted``),
         ``--shard`` or not."""
@@ -80,7 +88,8 @@ class RunPlan:
 
 def drawn_examples(capabilities: Capabilities, count: int, seed: int) -> list[Case]:
     """The examples ``difftest run --examples count --seed seed`` draws over what the
-    backends run: ``count`` of the sparse family, then the dense family's share."""
+    backends run in every release: ``count`` of the sparse family, then the dense family's
+    share."""
     from difftest.generation.dense import dense_examples
     from difftest.generation.generate import generated_cases
 
