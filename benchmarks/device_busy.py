@@ -89,7 +89,7 @@ def labelled_stages(reference: Any, backends: list[Any]) -> Iterator[None]:
     with ExitStack() as undo:
         for owner, attr, replacement in (
             (runner, "case_inputs", _wrapped("generate", runner.case_inputs)),
-            (runner, "compare", _wrapped("compare", runner.compare)),
+            (runner, "compare_elements", _wrapped("compare", runner.compare_elements)),
             (backend_module.RunInputs, "cache", labelled_cache),
             (reference, "reference", _wrapped("reference", reference.reference)),
             *((b, "run", _wrapped(b.name, b.run)) for b in backends),

@@ -12,7 +12,10 @@ poison. The fp8 variants need the interpreter to decode fp8 NaN bytes as NaN
 
 from __future__ import annotations
 
+import inspect
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -51,6 +54,18 @@ def case_of(kv_dtype: str, seq_len: int = 44, **changes) -> Case:
     return Case(**(fields | changes))
 
 
+@contextmanager
+def reading(inputs: RunInputs, table: torch.Tensor, ctx: torch.Tensor) -> Iterator[None]:
+    """The kernel reads ``(table, ctx)`` as its page table while it runs; the shared inputs
+    hold theirs again afterwards (backends must leave them as they found them)."""
+    shared = inputs.sparse_table
+    inputs.__dict__["sparse_table"] = (table, ctx)
+    try:
+        yield
+    finally:
+        inputs.__dict__["sparse_table"] = shared
+
+
 class ReadsBlock(TritonUnifiedAttention):
     """Reads ``block`` in place of the request's second block (its table entry)."""
 
@@ -63,8 +78,8 @@ class ReadsBlock(TritonUnifiedAttention):
         table, ctx = inputs.sparse_table
         table = table.clone()
         table[:, 1] = self.block
-        inputs.__dict__["sparse_table"] = (table, ctx)
-        return super().run(inputs)
+        with reading(inputs, table, ctx):
+            return super().run(inputs)
 
 
 class ReadsPastContext(TritonUnifiedAttention):
@@ -74,8 +89,8 @@ class ReadsPastContext(TritonUnifiedAttention):
 
     def run(self, inputs: RunInputs) -> torch.Tensor:
         table, ctx = inputs.sparse_table
-        inputs.__dict__["sparse_table"] = (table, ctx + 1)
-        return super().run(inputs)
+        with reading(inputs, table, ctx + 1):
+            return super().run(inputs)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +164,7 @@ def test_fp8_canaries_are_silent_on_the_cpu_without_the_decode(
     zero weight is 0: the buggy kernel agrees. With the decode it disagrees (the test above)."""
     from triton.runtime import interpreter
 
-    monkeypatch.setattr(interpreter, "_convert_float", interpreter._convert_float.__wrapped__)
+    monkeypatch.setattr(interpreter, "_convert_float", inspect.unwrap(interpreter._convert_float))
     case = case_of("float8_e4m3fn", seq_len=44, sliding_window=9, canary=True)
     buggy = TritonUnifiedAttention(vllm=str(kernel_without_window_mask))
     assert outcome(case, buggy, torch.device("cpu")).status is Status.AGREE

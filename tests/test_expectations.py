@@ -61,10 +61,11 @@ def test_the_models_predict_the_rows_each_mechanism_reaches() -> None:
     """Row 1 has unread NaN slots before its window (F28), in the 16-token tile holding the
     window's first token (F22) and past its context in its last page (F24); row 0 reads all
     it attends, its page is full, and has none of them."""
-    for name in ("nan_before_window", "nan_in_tile_before_window", "nan_past_context_in_page"):
+    canary_models = ("nan_before_window", "nan_in_tile_before_window", "nan_past_context_in_page")
+    for name in canary_models:
         assert bug_rows.MODELS[name](INPUTS).tolist() == [[False, False], [True, True]], name
     no_canary = RunInputs(CASE.replace(canary=False), torch.device("cpu"))
-    assert not any(model(no_canary).any() for model in bug_rows.MODELS.values())
+    assert not any(bug_rows.MODELS[name](no_canary).any() for name in canary_models)
     aligned = RunInputs(CASE.replace(seq_lens=(16, 256)), torch.device("cpu"))
     assert not bug_rows.nan_in_tile_before_window(aligned).any()  # the window starts a tile
     assert not bug_rows.nan_past_context_in_page(aligned).any()  # the last page is full
@@ -174,12 +175,22 @@ def test_a_malformed_entry_names_its_field(tmp_path: Path) -> None:
         expectations.load(write(tmp_path, ENTRY | {"nonfinite": "yes"}))
 
 
-def test_the_checkouts_file_reads_with_a_model_or_an_error_per_entry() -> None:
+def test_the_checkouts_file_reads_with_a_model_an_error_or_a_crash_per_entry() -> None:
     known = expectations.load(expectations.DEFAULT_FILE)
-    assert {e.finding for e in known} >= {"F21", "F22", "F24", "F28"}
+    assert {e.finding for e in known} >= {"F21", "F22", "F24", "F28", "F36"}
     for expectation in known:
         assert expectation.backends and str(expectation.releases)
-        assert bool(expectation.error) != bool(expectation.model), expectation.finding
+        kinds = [bool(expectation.error), bool(expectation.model), expectation.crash]
+        assert kinds.count(True) == 1, expectation.finding
+
+
+def test_a_crash_entry_explains_a_crash_and_nothing_else(tmp_path: Path) -> None:
+    entry = {k: v for k, v in ENTRY.items() if k not in ("model", "nonfinite")}
+    known = expectations.load(write(tmp_path, entry | {"crash": True}))
+    assert expectations.explain(known, INPUTS, result(Status.CRASH), None) == KnownBug(
+        (FindingRows("F99", None),), False)
+    assert expectations.explain(known, INPUTS, result(), wrong({1: "nan"})) is None
+    assert expectations.explain(known, INPUTS, result(Status.ERROR, detail="x"), None) is None
 
 
 def test_conditions_read_the_derived_context_length(tmp_path: Path) -> None:
@@ -272,6 +283,13 @@ def test_a_known_bug_is_not_diagnosed(tmp_path: Path, monkeypatch) -> None:
         assert (outcome.known_bug is not None) == bool(known)
         diagnoses.append(outcome.comparison.diagnosis)
     assert not diagnoses[0] and diagnoses[1]
+
+
+def test_the_every_row_model_predicts_every_row_that_attends_a_token() -> None:
+    """F34's lanes and F37's misread layout reach every row with a context, none without."""
+    empty = RunInputs(CASE.replace(selections=((0, -1), (-1, -1))), torch.device("cpu"))
+    assert bug_rows.every_attending_row(INPUTS).all()
+    assert bug_rows.every_attending_row(empty).tolist() == [[True, True], [False, False]]
 
 
 def test_the_alibi_model_predicts_every_prefill_row_past_a_sequences_first() -> None:

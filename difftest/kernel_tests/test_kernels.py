@@ -97,8 +97,11 @@ def test_corpus(case: Case, backend: str, pytestconfig: pytest.Config) -> None:
 def test_generated(backend: str, data: st.DataObject, pytestconfig: pytest.Config) -> None:
     run = _run(pytestconfig)
     case = data.draw(_strategies[backend], label="case")
+    largest = None  # over the variants fitted to the backend's releases: target() once
     for result in run.check_example(case, (backend,)):
         (outcome,) = result.results
         # a known bug's result may be non-finite (a NaN row), which target() refuses
         if outcome.comparison is not None and math.isfinite(outcome.comparison.max_ratio):
-            target(outcome.comparison.max_ratio, label=f"error/tolerance {backend}")
+            largest = max(largest or 0.0, outcome.comparison.max_ratio)
+    if largest is not None:
+        target(largest, label=f"error/tolerance {backend}")
