@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from difftest.backends.aiter_triton import AiterSource, chosen_source
-from difftest.backends.triton_unified import INTERPRETER_BF16_FINDING, M3
+from difftest.backends.triton_unified import INTERPRETER_BF16_FINDING
 from difftest.backends.vllm_arch import ARCHES
 from difftest.case.spec import Case
 from difftest.contract.backend import Availability, EmptyRowOutput, Precision, RunInputs
@@ -37,13 +37,13 @@ from difftest.contract.kernel_call import (
     length_classes,
     scale_class,
 )
+from difftest.inputs import serving_terms
 from difftest.machine import devices
 
 KERNEL_FILES = ("ops/triton/attention/pa_decode.py", "ops/triton/pa_decode.py")
 SEQ_PARTITION = 1024  # AITER's _SEQ_PARTITION_SIZE
 MAX_V1_SEQ_LEN = 8192
 FIXED = {  # why a parameter of paged_attention_decode does not vary (values still shown)
-    "alibi_slopes": f"{M3} has no ALiBi",
     "num_seq_partitions": "unused by the launcher (it computes the partitions itself)",
 }
 
@@ -97,13 +97,17 @@ class AiterPaDecode:
         return Availability(True)
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
-        """bf16 queries under the interpreter (F1); the kernel modes it has no parameter for
-        (softcap, sliding window, fp8 queries); an fp8 format the GPU does not have."""
+        """bf16 queries under the interpreter (F1); the kernel modes and serving terms it has
+        no parameter for (softcap, sliding window, fp8 queries, sinks, an fp8 output, scale
+        caches: one ``k_scale``/``v_scale`` per tensor); an fp8 format the GPU does not
+        have."""
         if device.type == "cpu" and case.query_dtype == "bfloat16":
             return INTERPRETER_BF16_FINDING
-        missing = [name for name, on in (("softcap", case.softcap),
-                                         ("sliding_window", case.sliding_window),
-                                         ("q_scale (fp8 queries)", case.q_scale)) if on]
+        missing = [name for name, on in (
+            ("softcap", case.softcap), ("sliding_window", case.sliding_window),
+            ("q_scale (fp8 queries)", case.q_scale), ("sinks", case.sinks),
+            ("output_scale (an fp8 output)", case.output_scale),
+            ("per-token-head scale caches", case.kv_quant == "per_token_head")) if on]
         if missing:
             return f"paged_attention_decode has no {' or '.join(missing)}"
         if device.type == "cuda" and case.is_fp8:
@@ -175,6 +179,7 @@ class AiterPaDecode:
             compute_type=compute_type(case.query_dtype),
             k_scale=k_scale.reshape(1),
             v_scale=v_scale.reshape(1),
+            alibi_slopes=serving_terms.alibi_slopes(case, inputs.device),
         )
         paged_attention_decode = self.kernel()
         paged_attention_decode(**arguments)
@@ -198,6 +203,7 @@ class AiterPaDecode:
             "compute_type": case.query_dtype,
             "k_scale": scale_class(case.k_scale if case.is_fp8 else None),
             "v_scale": scale_class(case.v_scale if case.is_fp8 else None),
+            "alibi_slopes": "ALiBi slopes per query head" if case.alibi else "no ALiBi",
         }, fixed=FIXED, sizes={"head_dim": (case.head_dim, "query.shape[2]"),
                                "page_size": (case.page_size, "key_cache.shape[2]"),
                                "num_kv_heads": (case.num_kv_heads, "key_cache.shape[1]")})
