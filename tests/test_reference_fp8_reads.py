@@ -77,3 +77,19 @@ def test_nan_bytes_are_read_as_nan(dtype: torch.dtype) -> None:
         heads, heads.float(), kernels.readable(stored), zero, zero, zero + BLOCK)
     nan_tokens = torch.isnan(scores[0]).all(dim=0).nonzero().flatten().cpu()
     assert torch.equal(nan_tokens, poisoned)
+
+
+def test_weights_that_are_a_view_are_read_as_their_values() -> None:
+    """Beside a sink the reference's weights are a slice of a wider softmax (``[..., :-1]``,
+    rows ``L + 1`` apart): the values kernel must weigh by them, not by the bytes of the
+    slice's storage read as if contiguous (the GPU reference did before)."""
+    device = _device()
+    stored = _every_byte(torch.float8_e4m3fn, device)
+    slots = torch.tensor([[1, 0]], dtype=torch.int64, device=device)
+    wider = torch.rand((1, 4, 2 * BLOCK + 1), dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(1)).to(device)
+    view = wider[..., :-1]
+    out, _ = kernels.weighted_values(view, kernels.readable(stored), slots)
+    values = torch.cat([stored[1], stored[0]]).to(torch.float64)  # [2 * BLOCK, DIM]
+    expected = torch.einsum("rhl,ld->rhd", view, values)
+    assert torch.allclose(out.sum(dim=2), expected, rtol=1e-12, atol=1e-9)

@@ -204,7 +204,10 @@ def weighted_values(probs: torch.Tensor, v: Stored, slots: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, head and 128-token segment, ``sum p v`` (float64) and ``sum p |v|``
     (float32), ``[R, H, width, D]``, of ``probs`` ``[R, H, width * B]`` over ``v[slots]``
-    (:func:`readable`); the caller adds the segments in float64."""
+    (:func:`readable`); the caller adds the segments in float64. ``probs`` may be a view
+    (the reference's weights beside a sink are a slice): the kernel reads a contiguous
+    copy."""
+    probs = probs.contiguous()
     rows, heads, _ = probs.shape
     width, block, dim = slots.shape[1], v.values.shape[1], v.head_dim
     out = torch.empty((rows, heads, width, dim), dtype=torch.float64, device=probs.device)
