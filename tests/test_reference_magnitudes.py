@@ -216,7 +216,8 @@ def test_production_bound_is_small() -> None:
 @pytest.mark.parametrize("case", load_corpus(), ids=lambda c: c.name)
 def test_gpu_magnitudes_within_bound(case: Case) -> None:
     """On the GPU, with TF32 switched on around the call as vLLM may leave it: the output is
-    the float64 formulation's bit for bit, the magnitudes within the bound."""
+    the float64 formulation's up to the order of its float64 sums, the magnitudes within the
+    bound."""
     inputs = RunInputs(case, torch.device("cuda"))
     saved = torch.backends.cuda.matmul.fp32_precision
     try:
@@ -225,8 +226,12 @@ def test_gpu_magnitudes_within_bound(case: Case) -> None:
     finally:
         torch.backends.cuda.matmul.fp32_precision = saved
     old = float64_reference(inputs)
-    assert torch.equal(new.output, old.output)
-    rho_a, rho_m = relative_bounds(case, inputs.data.segments.width * case.block_size)
+    length = inputs.data.segments.width * case.block_size
+    # the GPU's kernels add each 128-token segment, then the segments: another order of the
+    # same float64 sum, within length * u of sum p|v| (u = 2^-53)
+    assert bool(((new.output - old.output).abs()
+                 <= length * 2.0**-53 * old.abs_output + 1e-300).all())
+    rho_a, rho_m = relative_bounds(case, length)
     assert bool(((new.abs_output - old.abs_output).abs()
                  <= rho_a * old.abs_output + 1e-30).all())
     assert bool(((new.logit_magnitude - old.logit_magnitude).abs()

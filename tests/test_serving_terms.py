@@ -253,12 +253,13 @@ def test_f38_interpreter_rounds_fp8_downcasts_without_the_carry() -> None:
     assert right == [32.0, 2.0**-9, 0.3125, 448.0, -3.0]
 
 
-def _alibi_sinks_prefill(kernel: object, **extra: object) -> tuple[float, float]:
+def _alibi_sinks_prefill(kernel: object, device: torch.device = CPU,
+                         **extra: object) -> tuple[float, float]:
     """One sequence of 16 tokens whose last 8 are queries, ALiBi and a sink, through
     ``kernel`` (a ``unified_attention``) on a plain split cache; returns the largest
     difference of the last row from float64 attention with ALiBi relative to the query
     (Press et al.) and from the same with the offsets relative to the context's end
-    (``t - context_len``, as the kernel forms them)."""
+    (``t - context_len``, as the kernel forms them); the kernel runs on ``device``."""
     torch.manual_seed(0)
     heads, dim, block, n, queries = 1, 64, 16, 16, 8
     q = torch.randn(queries, heads, dim, dtype=torch.float16)
@@ -266,12 +267,17 @@ def _alibi_sinks_prefill(kernel: object, **extra: object) -> tuple[float, float]
     v = torch.randn(1, block, heads, dim, dtype=torch.float16)
     sinks = torch.tensor([2.0], dtype=torch.float32)
     slopes = torch.tensor([0.5], dtype=torch.float32)
-    out = torch.zeros(queries, heads, dim, dtype=torch.float16)
-    kernel(q=q, k=k, v=v, out=out, cu_seqlens_q=torch.tensor([0, queries], dtype=torch.int32),
-           max_seqlen_q=queries, seqused_k=torch.tensor([n], dtype=torch.int32),
-           max_seqlen_k=n, softmax_scale=dim**-0.5, causal=True, window_size=(-1, -1),
-           block_table=torch.zeros((1, 1), dtype=torch.int32), softcap=0.0, q_descale=None,
-           k_descale=None, v_descale=None, alibi_slopes=slopes, sinks=sinks, **extra)
+    out = torch.zeros(queries, heads, dim, dtype=torch.float16, device=device)
+
+    def on(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device)
+
+    kernel(q=on(q), k=on(k), v=on(v), out=out,
+           cu_seqlens_q=on(torch.tensor([0, queries], dtype=torch.int32)), max_seqlen_q=queries,
+           seqused_k=on(torch.tensor([n], dtype=torch.int32)), max_seqlen_k=n,
+           softmax_scale=dim**-0.5, causal=True, window_size=(-1, -1),
+           block_table=on(torch.zeros((1, 1), dtype=torch.int32)), softcap=0.0, q_descale=None,
+           k_descale=None, v_descale=None, alibi_slopes=on(slopes), sinks=on(sinks), **extra)
     context = n - queries
     pos = n - 1  # the last row's position
     scores = (q[-1, 0].double() @ k[0, :, 0].double().T) * dim**-0.5
@@ -283,7 +289,7 @@ def _alibi_sinks_prefill(kernel: object, **extra: object) -> tuple[float, float]
     tokens = torch.arange(n, dtype=torch.float64)
     relative = attention(tokens - pos)
     kernel_style = attention(tokens - context)
-    row = out[-1, 0].double()
+    row = out[-1, 0].double().cpu()
     return float((row - relative).abs().max()), float((row - kernel_style).abs().max())
 
 
@@ -291,14 +297,17 @@ def test_f39_unified_attention_offsets_alibi_from_the_context_end_beside_sinks()
     """vLLM's unified_attention adds ``slope * (t - context_len)`` to the logits, not
     ``slope * (t - query position)``: a per-row constant that softmax drops, unless a sink
     shares the denominator. The last row of an 8-token prefill then weights its sink by
-    ``exp(-slope * 7)`` too little: it matches the kernel-style offsets, not ALiBi."""
-    devices.prepare_runtime("cpu")
+    ``exp(-slope * 7)`` too little: it matches the kernel-style offsets, not ALiBi. On a
+    GPU natively, else interpreted."""
+    device = torch.device("cuda") if torch.cuda.is_available() else CPU
+    if device == CPU:
+        devices.prepare_runtime("cpu")
     from difftest.backends.triton_unified import TritonUnifiedAttention
 
     backend = TritonUnifiedAttention()
     if not backend.availability().available:
         pytest.skip(backend.availability().reason)
-    to_alibi, to_kernel_style = _alibi_sinks_prefill(backend._kernel())
+    to_alibi, to_kernel_style = _alibi_sinks_prefill(backend._kernel(), device)
     assert to_kernel_style < 2e-3 < to_alibi, (to_kernel_style, to_alibi)
 
 
