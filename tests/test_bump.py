@@ -114,10 +114,11 @@ def test_a_bump_runs_the_baselines_cases_on_the_candidate_and_ends_in_the_gates_
 
 
 def test_the_default_backends_are_those_that_take_the_release_and_run_here(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_name: str) -> None:
     from difftest.machine import devices
 
-    devices.prepare_runtime("cpu")
+    if device_name == "cpu":  # a GPU process keeps its runtime (conftest's device_name)
+        devices.prepare_runtime("cpu")
     vllm = Bump(KINDS["vllm"], "0.33.0", "0.34.0", tmp_path)
     monkeypatch.setenv("DIFFTEST_VLLM", "")
     chosen = vllm.choose_backends("")  # the venv's vLLM

@@ -154,15 +154,18 @@ TAKES = {"triton-unified": set(SERVING_TERM_FIELDS),
 
 
 @pytest.mark.parametrize("term", list(TERMS))
-def test_every_kernel_that_takes_a_term_agrees_and_the_others_refuse_it(term: str) -> None:
-    devices.prepare_runtime("cpu")
+def test_every_kernel_that_takes_a_term_agrees_and_the_others_refuse_it(
+        term: str, device_name: str) -> None:
+    device = torch.device(device_name)
+    if device == CPU:
+        devices.prepare_runtime("cpu")
     case = SMALL.replace(query_dtype="float16", **TERMS[term])
     backends = [cls() for cls in KERNELS.values()] + [VllmDecodeAttention()]
     available = [b for b in backends if b.availability().available]
     if len(available) < len(backends):
         pytest.skip("; ".join(f"{b.name}: {b.availability().reason}" for b in backends
                               if not b.availability().available))
-    result = run_case(case, TorchReference(), available, CPU, diagnose=False)
+    result = run_case(case, TorchReference(), available, device, diagnose=False)
     for outcome in result.results:
         takes = TAKES.get(outcome.backend, set())
         if set(case.serving_terms) <= takes:
@@ -293,13 +296,14 @@ def _alibi_sinks_prefill(kernel: object, device: torch.device = CPU,
     return float((row - relative).abs().max()), float((row - kernel_style).abs().max())
 
 
-def test_f39_unified_attention_offsets_alibi_from_the_context_end_beside_sinks() -> None:
+def test_f39_unified_attention_offsets_alibi_from_the_context_end_beside_sinks(
+        device_name: str) -> None:
     """vLLM's unified_attention adds ``slope * (t - context_len)`` to the logits, not
     ``slope * (t - query position)``: a per-row constant that softmax drops, unless a sink
     shares the denominator. The last row of an 8-token prefill then weights its sink by
     ``exp(-slope * 7)`` too little: it matches the kernel-style offsets, not ALiBi. On a
     GPU natively, else interpreted."""
-    device = torch.device("cuda") if torch.cuda.is_available() else CPU
+    device = torch.device(device_name)
     if device == CPU:
         devices.prepare_runtime("cpu")
     from difftest.backends.triton_unified import TritonUnifiedAttention
