@@ -270,9 +270,9 @@ def test_default_strategy_draws_every_mode_at_its_boundaries() -> None:
     assert any(0 < c.softcap <= 0.01 for c in drawn) and any(c.canary for c in drawn)
 
 
-def test_audit_shows_the_new_modes_varying_on_triton_unified() -> None:
+def test_audit_shows_the_new_modes_varying_on_triton_unified(device_name: str) -> None:
     """triton-unified's statements over one case of each mode: the q descale, the kernel
-    path of the split-K scratch and the query length vary."""
+    path of the split-K scratch and the query length vary (on the process's device)."""
     drawn = generated_cases(60, 0, cases, max_batch=2, max_topk=4, max_blocks=160)
     picks = [next(c for c in drawn if c.q_scale).replace(kv_dtype="float8_e4m3fn"), PREFILL,
              # a row with context: the scratch shows which kernel ran only where one wrote
@@ -282,7 +282,7 @@ def test_audit_shows_the_new_modes_varying_on_triton_unified() -> None:
              next(c for c in drawn if not c.kernel_modes)]
     backend = TritonUnifiedAttention(allow_interpreter_fp8_query=True,
                                      allow_interpreter_bf16=True)
-    records = [run_case(c, TorchReference(), [backend], torch.device("cpu")).record()
+    records = [run_case(c, TorchReference(), [backend], torch.device(device_name)).record()
                for c in picks]
     values = {c.argument: set(c.values) for c in audit(records, [backend])}
     assert "None" in values["q_descale"] and values["q_descale"] & {"< 1", "> 1", "1.0"}
