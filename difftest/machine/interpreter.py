@@ -1,45 +1,13 @@
-"""Triton's interpreter without its repeated patching of ``triton.language`` inside a launch.
+"""Triton's interpreter for CPU runs (``TRITON_INTERPRET=1``): faster, and fp8 as a GPU has it.
 
-Under ``TRITON_INTERPRET=1`` a launch (``GridExecutor.__call__``) patches the builtins of the
-``triton.language`` modules the kernel sees for the interpreter, runs the grid, and restores
-them. Each call of one ``@triton.jit`` function from another (``InterpretedFunction.__call__``)
-patches them again, though they are patched already: ``inspect.getmembers`` over
-``triton.language``, its ``tensor`` and ``math``, about 0.8 ms a call, 22% of the generated
-cases' time on the CPU (vLLM's kernels call small helpers in their loops; measured in
-docs/performance.md). Those re-patches set the same attributes to equivalent wrappers and are
-undone with the launch's own patches, so skipping them runs the same functions on the same
-values: :func:`skip_nested_patching` skips a nested call's patching when the callee sees no
-``triton.language`` module that the running launch has not patched. Other calls (a launch, a
-nested callee that sees another module, a call outside any launch) patch as before. A nested
-callee's patches (a module the launch did not patch, e.g. ``triton.language.core`` seen from
-``tl.sum``) are undone with the launch's own, before them: Triton leaves them in place, so
-after any interpreted launch ``triton.language.core``'s builtins were still the interpreter's,
-and a kernel compiled later in the process (:mod:`difftest.machine.triton_compile`) failed on
-them (finding F33).
-
-:func:`skip_dropped_overflow_checks`: the interpreter's options keep ``sanitize_overflow`` on,
-so every int32 add, sub and mul is evaluated a second time in int64 and turned into an
-overflow condition, which ``device_assert`` then drops because ``debug`` is off (it asserts
-only under ``debug``, on a GPU as in the interpreter): 40% of the interpreted time of a
-generated case (docs/performance.md), for no check. Off, the same values are computed and
-nothing that could raise is removed; with ``debug`` on the checks stay.
-
-:func:`decode_fp8_specials`: the interpreter converts fp8 by moving exponent and mantissa
-bits, with no case for the formats' special values, so fp8 NaN and Inf bytes become finite
-numbers (Triton 3.8.0: e4m3fn ``0x7F`` -> 480, e4m3fnuz ``0x80`` -> -0.0, e5m2 ``0x7F`` ->
-114688) and float NaN becomes a finite fp8 byte. A kernel that reads a NaN canary of an fp8
-cache then agrees on the CPU where it fails on a GPU (docs/geometry.md). The wrapped
-conversion gives those bytes the values the formats define (NaN, and e5m2's infinities), as
-a GPU's conversion does; every other byte converts as before.
-
-:func:`reuse_pure_results`: three pure functions the interpreter calls for every op give the
-same result for the same arguments, and are computed once per argument instead: the numpy
-dtype of a Triton dtype (a 20-entry dict built per call), the conversion of fp8 and 16-bit
-floats (about twenty numpy passes over the values, now a lookup in a table of that
-conversion of every code: 256 or 65536 entries, built by the same conversion), and
-``tl.arange`` (one read-only array per range, so a write into it raises instead of changing
-the next launch's). The same values come out (tests/test_interpreter.py); the generated
-cases' interpreted time drops by about 12% (docs/performance.md).
+:func:`skip_nested_patching` skips the interpreter's re-patching of ``triton.language`` on
+nested ``@jit`` calls inside a launch and undoes a nested callee's patches with the launch's
+(finding F33); :func:`skip_dropped_overflow_checks` skips the overflow conditions it builds
+and drops while ``debug`` is off (F20); :func:`decode_fp8_specials` converts fp8 NaN/Inf
+bytes as the formats define them and rounds to fp8 as a GPU does (F27, F38);
+:func:`reuse_pure_results` computes three pure per-op functions once per argument. Each
+runs the same functions on the same values (tests/test_interpreter.py); why that holds and
+what each saves, measured: docs/performance.md ("The interpreter").
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ while the GPU runs cases already compiled. On the CPU, Triton's interpreter and 
 reference run in one Python thread, so one process uses one core. Each job is ``difftest
 run`` with the same options plus ``--job K/N``: it builds the same case set (the corpus, the
 generated cases, the shard) and walks the same units of it (:func:`claim_units`), running
-each unit it claims first (:func:`claimed`), so the jobs share the cases as they free up (a
-static split left one job 8 s behind the other on the main job); it writes pending files to
-the shared artifacts directory as any run does. On a GPU a unit is a run of cases of one
+each unit it claims first (:func:`claimed`), so the jobs share the cases as they free up
+(docs/performance.md, "Jobs on a GPU"); it writes pending files to the shared artifacts
+directory as any run does. On a GPU a unit is a run of cases of one
 kernel class (dtypes, geometry, modes: what selects the kernels' compiled code), so one job
 compiles a class's specializations while the others compile other classes'; units go out
 largest first, so no long one is left for the end.
@@ -32,11 +32,10 @@ interrupt (SIGINT, SIGTERM, SIGHUP) reaches every job, each writes its partial r
 parent merges them and says which signal stopped the run.
 
 Each job runs with ``OMP_NUM_THREADS=1`` unless it is set: one thread for torch and for
-numpy's BLAS (whose threads otherwise spin against the other jobs: the README's main job
-took 61.6 s with two jobs at the default threads, 43.6 s with one each). The BLAS thread
-count changes the bits of the interpreter's ``tl.dot`` (vllm-triton-sparse's outputs in 2 of
-22 cases; docs/findings.md F19), so a job's results equal those of one process run with the
-same ``OMP_NUM_THREADS``; the fingerprint records it and a replay shows it.
+numpy's BLAS, whose threads otherwise spin against the other jobs. The BLAS thread count
+changes the bits of the interpreter's ``tl.dot`` (docs/findings.md F19, with the timings), so
+a job's results equal those of one process run with the same ``OMP_NUM_THREADS``; the
+fingerprint records it and a replay shows it.
 """
 
 from __future__ import annotations
