@@ -60,6 +60,8 @@ from hypothesis import strategies as st
 from difftest.case.spec import Case
 from difftest.generation.baseline import AITER_BATCH_SIZES, BASELINES
 from difftest.judgement.diagnosis import FAILED, hypothesis_of
+from difftest.judgement.expectations import Expectation
+from difftest.judgement.expectations import load as load_expectations
 from difftest.machine import devices
 from difftest.primitives.dtypes import KV_DTYPES, QUERY_DTYPES
 from difftest.primitives.jsonfile import write_json
@@ -174,6 +176,15 @@ class _Killed(Exception):
         self.status = status
 
 
+def known_bugs_of(mutant: Any) -> list[Expectation]:
+    """The known kernel bugs (``expectations.json``) of the backend ``mutant`` is a faulty
+    version of, as bugs of the mutant too: a failure they explain wholly is the kernel's
+    own, not a kill."""
+    base = mutant.origin.name.partition("[")[0]
+    return [dataclasses.replace(e, backends=(*e.backends, mutant.name))
+            for e in load_expectations() if base in e.backends]
+
+
 def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
          limits: Limits) -> Outcome:
     """Our strategies against one mutant: examples and seconds to the first kill, the first
@@ -184,6 +195,7 @@ def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
     """
     outcome = Outcome(mutant.name, "ours", mutant.mutation.harmful)
     reference = _reference()
+    known = known_bugs_of(mutant)
     failing: dict[str, str] = {}
     start = time.perf_counter()
 
@@ -205,15 +217,16 @@ def hunt(mutant: Any, strategy: st.SearchStrategy[Case], device: torch.device,
         if not mutant.mutation.reachable(case):
             outcome.examples += 0 if shrinking else 1
             return None
-        result = run_case(case, reference, [mutant], device).results[0]
+        result = run_case(case, reference, [mutant], device, known_bugs=known).results[0]
         if result.status in (Status.UNSUPPORTED, Status.UNAVAILABLE):
             return None
         if shrinking:
             outcome.shrink_runs += 1
         else:
             outcome.examples += 1
-        if result.status not in FAILING:
-            return None
+        if result.status not in FAILING or (
+                result.known_bug is not None and not result.known_bug.new_failure):
+            return None  # the wrapped kernel's own known bug, wholly: not the mutation's doing
         if not outcome.killed:
             outcome.killed, outcome.status = True, result.status.value
             outcome.seconds = time.perf_counter() - start

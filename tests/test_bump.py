@@ -12,6 +12,7 @@ the same assertion in-process).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -173,3 +174,21 @@ def test_a_planted_launcher_assertion_fails_an_aiter_bump(
     assert code == 1, out
     assert "    ops/triton/attention/unified_attention.py: 1 of 1 changed statements ran" in lines
     assert "FAIL new error" in out and lines[-1].startswith("BUMP FAILED: AITER ")
+
+
+def test_choosing_backends_leaves_the_processs_release_setting_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device_name: str) -> None:
+    """The baseline's release is set only while the backends are probed: a later backend of
+    the same process loads the release it would have loaded."""
+    from difftest.machine import devices
+
+    if device_name == "cpu":
+        devices.prepare_runtime("cpu")
+    monkeypatch.delenv("DIFFTEST_VLLM", raising=False)
+    monkeypatch.setenv("DIFFTEST_AITER", "mine")
+    for kind, before in (("vllm", None), ("aiter", "mine")):
+        try:
+            Bump(KINDS[kind], "a", "b", tmp_path).choose_backends("0.34.0")
+        except BumpError:
+            pass  # none available with that release here: the setting must be back all the same
+        assert os.environ.get(KINDS[kind].env) == before

@@ -126,3 +126,16 @@ def test_unreachable_means_unchanged(name: str, device: torch.device) -> None:
             views, plain = mutated.cache(order), inputs.cache(order)
             assert _same_tensor(views.k, plain.k) and _same_tensor(views.v, plain.v)
     assert checked > 0, f"no unreachable case drawn for {name}"
+
+
+def test_the_wrapped_kernels_known_bug_is_no_kill(device: torch.device) -> None:
+    """A prefill with sinks and ALiBi meets F39 of the kernel under the control mutant (a
+    known bug of triton-unified, not the mutation's doing): the hunt does not count it."""
+    mutant = MUTANTS["triton-unified!output-bf16"]
+    case = Case(num_blocks=8, seq_lens=(128,), block_tables=((0,),), selections=((0,),) * 4,
+                num_q_heads=8, query_dtype="float16", kv_dtype="float16", query_lens=(4,),
+                sinks=True, alibi=True)
+    unjudged = run_case(case, TorchReference(), [mutant], device).results[0]
+    assert unjudged.status is Status.DISAGREE  # F39's rows, before the known bugs judge them
+    outcome = hunt(mutant, st.just(case), device, dataclasses.replace(FULL, examples=1))
+    assert not outcome.killed and outcome.examples == 1

@@ -111,16 +111,23 @@ class Bump:
         release and is available with ``spec`` chosen (the others go to ``left_out``)."""
         if self.backends is not None:
             return list(self.backends)
-        os.environ[self.kind.env] = spec  # availability with the baseline's release
         chosen = []
-        for name, backend in sorted(registry.discover(self.plugins).items()):
-            if self.kind.name not in releases_taken(backend):
-                continue
-            availability = backend.availability()
-            if availability.available:
-                chosen.append(name)
+        saved = os.environ.get(self.kind.env)
+        os.environ[self.kind.env] = spec  # availability with the baseline's release
+        try:
+            for name, backend in sorted(registry.discover(self.plugins).items()):
+                if self.kind.name not in releases_taken(backend):
+                    continue
+                availability = backend.availability()
+                if availability.available:
+                    chosen.append(name)
+                else:
+                    self.left_out.append(f"{name} ({availability.reason})")
+        finally:  # the process's own setting again (a caller's later backends read it)
+            if saved is None:
+                del os.environ[self.kind.env]
             else:
-                self.left_out.append(f"{name} ({availability.reason})")
+                os.environ[self.kind.env] = saved
         if not chosen:
             raise BumpError(f"no backend that takes {self.kind.a_release} runs here: "
                             + "; ".join(self.left_out))
