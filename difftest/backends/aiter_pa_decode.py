@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from difftest.backends.aiter_triton import AiterSource, chosen_source
+from difftest.backends.aiter_triton import AiterSource, chosen_source, tree_availability
 from difftest.backends.triton_unified import INTERPRETER_BF16_FINDING
 from difftest.backends.vllm_arch import ARCHES
 from difftest.case.spec import Case
@@ -86,15 +86,7 @@ class AiterPaDecode:
 
     def availability(self) -> Availability:
         """Needs an AITER tree with Triton ``pa_decode``, and a GPU or the interpreter."""
-        if self.source is None:
-            return Availability(False, self.source_error)
-        if self.source.find(*KERNEL_FILES) is None:
-            return Availability(False, f"AITER {self.source.version} at {self.source.package} "
-                                f"has no {' or '.join(KERNEL_FILES)}")
-        if devices.visible_gpu_count() == 0 and not devices.interpreted():
-            return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets "
-                                "it for --device cpu before Triton is imported)")
-        return Availability(True)
+        return tree_availability(self.source, self.source_error, KERNEL_FILES)
 
     def unsupported_reason(self, case: Case, device: torch.device) -> str | None:
         """bf16 queries under the interpreter (F1); the kernel modes and serving terms it has

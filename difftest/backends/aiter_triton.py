@@ -47,6 +47,8 @@ from pathlib import Path
 
 from difftest.backends.private_tree import PrivateTreeFinder
 from difftest.backends.vllm_arch import ARCHES
+from difftest.contract.backend import Availability
+from difftest.machine import devices
 from difftest.machine.triton_compile import not_interpreted
 
 ROOT_ENV = "DIFFTEST_AITER_ROOT"
@@ -304,6 +306,21 @@ def chosen_source(option: str | None) -> tuple[AiterSource | None, str]:
                       f"{Path(sys.prefix) / WHEEL_DIR} (bash scripts/setup.sh unpacks "
                       f"amd-aiter's wheel there), no aiter= option or ${SOURCE_ENV}")
     return found, ""
+
+
+def tree_availability(source: AiterSource | None, source_error: str,
+                      kernel_files: tuple[str, ...]) -> Availability:
+    """Whether an AITER Triton kernel can run here: a tree (``source``, else why none,
+    ``source_error``) holding one of ``kernel_files``, and a GPU or the Triton interpreter."""
+    if source is None:
+        return Availability(False, source_error)
+    if source.find(*kernel_files) is None:
+        return Availability(False, f"AITER {source.version} at {source.package} "
+                            f"has no {' or '.join(kernel_files)}")
+    if devices.visible_gpu_count() == 0 and not devices.interpreted():
+        return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets "
+                            "it for --device cpu before Triton is imported)")
+    return Availability(True)
 
 
 def load_aiter_kernel(tree: str | None, device: str, modules: list[str], name: str,

@@ -42,6 +42,7 @@ from difftest.backends.aiter_triton import (
     answering,
     chosen_source,
     load_aiter_kernel,
+    tree_availability,
 )
 from difftest.backends.triton_unified import (
     INTERPRETER_BF16_FINDING,
@@ -140,14 +141,9 @@ class AiterUnified:
         """Needs an AITER tree with Triton ``unified_attention`` and a GPU or the Triton
         interpreter (a release without the shuffled views reports each case
         ``unsupported``)."""
-        if self.source is None:
-            return Availability(False, self.source_error)
-        if self.source.find(*KERNEL_FILES) is None:
-            return Availability(False, f"AITER {self.source.version} at {self.source.package} "
-                                f"has no {' or '.join(KERNEL_FILES)}")
-        if devices.visible_gpu_count() == 0 and not devices.interpreted():
-            return Availability(False, "no GPU and TRITON_INTERPRET is not 1 (difftest sets "
-                                "it for --device cpu before Triton is imported)")
+        found = tree_availability(self.source, self.source_error, KERNEL_FILES)
+        if not found.available:
+            return found
         if devices.visible_gpu_count() and devices.gpu_vendor() != "amd" and (
                 not devices.interpreted()):
             return Availability(False, "AITER's Triton unified_attention targets AMD GPUs: it "
