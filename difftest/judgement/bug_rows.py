@@ -55,12 +55,13 @@ class _Canaries:
 
     def between(self, row: SparseRow, first: int, last: int) -> bool:
         """Whether positions ``first..last - 1`` of ``row``'s attend list hold a NaN slot."""
-        ordinal, hit = 0, False
+        ordinal = 0
         for seg in row.segments:
             lo, hi = max(first - ordinal, 0), min(last - ordinal, seg.tokens)
-            hit = hit or (lo < hi and self.in_span(Span(seg.block, seg.physical_block, lo, hi)))
+            if lo < hi and self.in_span(Span(seg.block, seg.physical_block, lo, hi)):
+                return True
             ordinal += seg.tokens
-        return hit
+        return False
 
 
 def _as_heads(case: Case, rows: np.ndarray) -> torch.Tensor:
