@@ -142,7 +142,8 @@ REUSE_SCRIPT = textwrap.dedent('''
     import os, sys
     os.environ["TRITON_INTERPRET"] = "1"
     import torch, triton, triton.language as tl
-    from difftest.machine.interpreter import decode_fp8_specials, reuse_pure_results
+    from difftest.machine.interpreter import (decode_fp8_specials, reuse_pure_results,
+                                              reuse_shape_checks)
 
     @triton.jit
     def kernel(k_ptr, q_ptr, out_ptr, BLOCK: tl.constexpr, D: tl.constexpr):
@@ -156,6 +157,7 @@ REUSE_SCRIPT = textwrap.dedent('''
     decode_fp8_specials()
     if sys.argv[1] == "reuse":
         assert reuse_pure_results() and reuse_pure_results()  # idempotent
+        assert reuse_shape_checks() and reuse_shape_checks()
     k = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
     q = (torch.linspace(-2, 2, 16)).to(torch.bfloat16)
     outs = []
@@ -244,3 +246,44 @@ def test_shared_ranges_and_dtypes() -> None:
     lookup = interpreter._get_np_dtype
     for tt in (tl.float32, tl.bfloat16, tl.int1, tl.float8e4nv, tl.pointer_type(tl.float16)):
         assert lookup(tt) == lookup.__wrapped__(tt)
+
+
+def test_reused_shapes_equal_the_constructors() -> None:
+    """A block type and a tensor built with the shapes reused hold what Triton's own
+    constructors give (shape values and type, element count, name, dtype), built twice
+    (the second from what the first kept); shapes Triton refuses raise as it does."""
+    pytest.importorskip("triton")
+    import triton.language.core as core
+
+    from difftest.machine.interpreter import reuse_shape_checks
+
+    assert reuse_shape_checks() and reuse_shape_checks()  # idempotent
+    block_init, tensor_init = core.block_type.__init__, core.tensor.__init__
+
+    def built(cls, init, *args):
+        made = object.__new__(cls)
+        init(made, *args)
+        return made
+
+    for shape in ([16], [1, 64], core.tuple([8, 1, 32]), [2, 4]):
+        for _ in range(2):
+            want = built(core.block_type, block_init.__wrapped__, core.float16, shape)
+            got = built(core.block_type, block_init, core.float16, shape)
+            assert type(got.shape) is type(want.shape)
+            assert got.shape.values == want.shape.values and got.numel == want.numel
+            assert got.shape.type == want.shape.type and got.name == want.name
+            assert got == want
+            t_want = built(core.tensor, tensor_init.__wrapped__, "h", want)
+            t_got = built(core.tensor, tensor_init, "h", got)
+            assert [d.value for d in t_got.shape] == [d.value for d in t_want.shape]
+            assert t_got.shape.type == t_want.shape.type and t_got.numel == t_want.numel
+            assert t_got.dtype is t_want.dtype and t_got.handle == "h"
+    scalar = built(core.tensor, tensor_init, "s", core.int32)
+    assert scalar.shape.values == [] and scalar.numel.value == 1
+    for bad in ([], [3], [4, 6], [4.0]):
+        raised = []
+        for init in (block_init.__wrapped__, block_init, block_init):
+            with pytest.raises((TypeError, ValueError)) as error:
+                built(core.block_type, init, core.float16, bad)
+            raised.append((error.type, str(error.value)))
+        assert raised[0] == raised[1] == raised[2]

@@ -58,6 +58,7 @@ def prepare_runtime(device: str) -> None:
         from difftest.machine.interpreter import (
             decode_fp8_specials,
             reuse_pure_results,
+            reuse_shape_checks,
             skip_dropped_overflow_checks,
             skip_nested_patching,
         )
@@ -66,6 +67,7 @@ def prepare_runtime(device: str) -> None:
         skip_dropped_overflow_checks()
         decode_fp8_specials()
         reuse_pure_results()
+        reuse_shape_checks()
 
 
 def interpreted() -> bool:

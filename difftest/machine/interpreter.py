@@ -5,7 +5,8 @@ nested ``@jit`` calls inside a launch and undoes a nested callee's patches with 
 (finding F33); :func:`skip_dropped_overflow_checks` skips the overflow conditions it builds
 and drops while ``debug`` is off (F20); :func:`decode_fp8_specials` converts fp8 NaN/Inf
 bytes as the formats define them and rounds to fp8 as a GPU does (F27, F38);
-:func:`reuse_pure_results` computes three pure per-op functions once per argument. Each
+:func:`reuse_pure_results` computes three pure per-op functions once per argument;
+:func:`reuse_shape_checks` builds a tensor's and a block type's shape once per shape. Each
 runs the same functions on the same values (tests/test_interpreter.py); why that holds and
 what each saves, measured: docs/performance.md ("The interpreter").
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -23,6 +25,7 @@ import numpy as np
 _INSTALLED = "_difftest_skips_nested_patching"
 _DECODES = "_difftest_decodes_fp8_specials"
 _REUSES = "_difftest_reuses_pure_results"
+_SHAPES = "_difftest_reuses_shape_checks"
 TABLE_BITS = 16  # conversions from floats this narrow go through a table of every code
 
 
@@ -275,6 +278,72 @@ def _shared_ranges(handle: Any, int32: Any) -> Callable[..., Any]:
 
     setattr(create_make_range, _REUSES, True)
     return create_make_range
+
+
+def reuse_shape_checks() -> bool:
+    """Build each shape's checked form once: a block type's shape, its checked element
+    count and its tuple type, and a tensor's shape as constexprs with its element count, the
+    same values the constructors compute for every op of every program (once; False where
+    this Triton's constructors set other attributes, then nothing changes)."""
+    try:
+        import triton.language.core as core
+    except ImportError:
+        return False
+    tensor, block_type = core.tensor, core.block_type
+    if getattr(tensor.__init__, _SHAPES, False):
+        return True
+    made_block = block_type(core.int32, [2, 4])
+    made_tensor = tensor(None, made_block)
+    if (set(vars(made_block)) != {"element_ty", "shape", "numel", "name"}
+            or set(vars(made_tensor)) != {"handle", "shape", "numel", "type", "dtype"}):
+        return False
+    block_type.__init__ = _block_shapes_once(block_type.__init__, core)
+    tensor.__init__ = _tensor_shapes_once(tensor.__init__, core)
+    return True
+
+
+def _block_shapes_once(original: Callable[..., None], core: Any) -> Callable[..., None]:
+    found: dict[tuple[int, ...], tuple[list[int], int, Any]] = {}
+    lists, ints = (list, core.tuple), {int}
+
+    @wraps(original)
+    def __init__(self: Any, element_ty: Any, shape: Any) -> None:
+        key = tuple(shape) if type(shape) in lists and set(map(type, shape)) <= ints else None
+        known = found.get(key) if key is not None else None
+        if known is None:  # checked (and raising) as Triton checks it
+            original(self, element_ty, shape)
+            if key is not None:
+                found[key] = (list(self.shape.values), self.numel, self.shape.type)
+            return
+        values, numel, shape_type = known
+        self.element_ty = element_ty
+        self.shape = core.tuple(list(values), shape_type)
+        self.numel = numel
+        self.name = f"<{self.shape}, {self.element_ty}>"
+
+    setattr(__init__, _SHAPES, True)
+    return __init__
+
+
+def _tensor_shapes_once(original: Callable[..., None], core: Any) -> Callable[..., None]:
+    found: dict[tuple[int, ...], tuple[Any, list[Any], Any]] = {}
+
+    @wraps(original)
+    def __init__(self: Any, handle: Any, type: Any) -> None:
+        key = tuple(type.shape) if type.is_block() else ()
+        known = found.get(key)
+        if known is None:
+            dims = [core.constexpr(d) for d in key]
+            known = found[key] = (core.constexpr(math.prod(key)), dims, core.tuple(dims).type)
+        numel, dims, shape_type = known
+        self.handle = handle
+        self.numel = numel
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = core.tuple(list(dims), shape_type)
+
+    setattr(__init__, _SHAPES, True)
+    return __init__
 
 
 def _rounded_to_fp8(values: np.ndarray, input_dtype: Any, output_dtype: Any,
