@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,7 @@ def sessions(tmp_path_factory: pytest.TempPathFactory, device_name: str
         serial.run(case, names)
     piped = Session.create(BACKENDS, [NAN_PLUGIN], device=device_name,
                            artifacts=str(root / "piped"))
+    piped.pool().submit(int).result()  # the worker runs: every case waits for its inputs
     log: list[tuple[str, Any]] = []
     store = piped.store
     begin, finish = store.begin, store.finish
@@ -242,3 +244,41 @@ def test_a_failed_worker_leaves_the_run_to_build_everything(tmp_path: Path,
     assert [r.case for r in results] == [case for case, _ in runs]
     assert [r.results[0].status for r in results] == [
         session.run(case).results[0].status for case, _ in runs]
+
+
+class _NotStarting(Executor):
+    """A worker that never starts: its futures never finish; ``waited`` notes each wait."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.waited: list[str] = []
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future:
+        waited = self.waited
+
+        class Pending(Future):
+            def result(self, timeout: float | None = None) -> Any:
+                waited.append(getattr(fn, "__name__", str(fn)))
+                raise TimeoutError("the worker never started")
+
+        return Pending()
+
+
+def test_no_case_waits_for_a_worker_still_starting(tmp_path: Path, device_name: str) -> None:
+    """While the spawned worker is still importing (seconds; more where bytecode is not
+    compiled), the cases run build their own inputs instead of waiting: the same records
+    as a run without the worker, and no wait on it."""
+    runs = [(case, None) for case in load_corpus()[:3]]
+    serial = Session.create(["aiter-gluon@emulated"], device=device_name,
+                            artifacts=str(tmp_path / "serial"))
+    for case, _ in runs:
+        serial.run(case)
+    session = Session.create(["aiter-gluon@emulated"], device=device_name,
+                             artifacts=str(tmp_path / "piped"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(session_module, "ProcessPoolExecutor", _NotStarting)
+        results = list(session.run_all(runs))
+        worker = session.pool()
+    session.close()
+    assert isinstance(worker, _NotStarting) and worker.waited == []
+    assert comparable(session) == comparable(serial)
+    assert [r.case for r in results] == [case for case, _ in runs]

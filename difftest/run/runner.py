@@ -201,8 +201,9 @@ class LazyRows(Sequence[SparseRow]):
 class Preparation:
     """A case whose host-side inputs a worker builds ahead (:func:`prepare_host`).
 
-    :meth:`host` waits for them; ``None`` when the worker failed: the run then builds them
-    itself and reports any error where a run without preparation would.
+    :meth:`host` waits for them; ``None`` when the worker failed, or when it has not
+    finished them and the caller will not wait (a worker still starting): the run then
+    builds them itself and reports any error where a run without preparation would.
     """
 
     def __init__(self, case: Case, pool: Executor) -> None:
@@ -212,9 +213,9 @@ class Preparation:
         except Exception:  # a broken or shut-down pool: the run builds everything itself
             self._future = None
 
-    def host(self) -> PreparedHost | None:
-        """The prepared inputs (waiting for the worker), or ``None``."""
-        if self._future is None:
+    def host(self, wait: bool = True) -> PreparedHost | None:
+        """The prepared inputs (waiting for the worker where ``wait``), or ``None``."""
+        if self._future is None or not (wait or self._future.done()):
             return None
         try:
             return self._future.result()

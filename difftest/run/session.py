@@ -10,9 +10,10 @@ engine's hooks which backend runs and what each returned, and stores its failure
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,8 @@ class Session:
     # observers of every case besides the store's (a benchmark's timers)
     hooks: list[RunHooks] = field(default_factory=list, repr=False, compare=False)
     _pool: ProcessPoolExecutor | None = field(default=None, repr=False, compare=False)
+    # done once the preparation worker runs (until then no case waits for it)
+    _pool_started: Future[int] | None = field(default=None, repr=False, compare=False)
     # the cache buffers reused from case to case (difftest.inputs.kv_cache.CachePool)
     caches: CachePool = field(default_factory=CachePool, repr=False, compare=False)
     # the known kernel bugs (difftest.judgement.expectations) each failing result is judged
@@ -141,8 +144,9 @@ class Session:
         ``ahead`` cases' host-side inputs (:func:`difftest.run.runner.prepare_host`: segment
         tables, page table, features) while this process runs the current one. The worker
         does no device work, so each case is still on disk before any kernel of it starts,
-        and one case at a time is in flight. The results and records are those of
-        :meth:`run`."""
+        and one case at a time is in flight. Until the worker runs, a case whose inputs it
+        has not finished builds them here instead of waiting for the worker's start. The
+        results and records are those of :meth:`run`."""
         pending = iter(runs)
         queue: deque[tuple[Case, Iterable[str] | None, Preparation | None]] = deque()
         first = next(pending, None)
@@ -159,6 +163,7 @@ class Session:
         it inherits no device state)."""
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+            self._pool_started = self._pool.submit(os.getpid)
         return self._pool
 
     def close(self) -> None:
@@ -168,13 +173,16 @@ class Session:
         self.compiles.stop()
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
-            self._pool = None
+            self._pool, self._pool_started = None, None
 
     def _run(self, case: Case, backends: Iterable[str] | None,
              prepared: Preparation | None) -> CaseResult:
         chosen = self.backends if backends is None else self.chosen(backends)
         self.store.begin(case, [self.reference.name, *(b.name for b in chosen)])
-        host = None if prepared is None else prepared.host()
+        # a spawned worker imports torch and difftest before its first case (seconds, more
+        # on an image without compiled bytecode): cases run meanwhile build their own inputs
+        started = self._pool_started is not None and self._pool_started.done()
+        host = None if prepared is None else prepared.host(wait=started)
         try:
             result = run_case(case, self.reference, chosen, self.device, host,
                               caches=self.caches,
