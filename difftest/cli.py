@@ -464,6 +464,7 @@ def _print_closing(report: dict[str, Any], path: str | None, full_audit: bool,
 
 def _run_jobs(args: argparse.Namespace) -> int:
     """``difftest run --jobs N``: N processes, one report (:mod:`difftest.run.jobs`)."""
+    from difftest.machine.bytecode import uncompiled_note
     from difftest.machine.fingerprint import fingerprint
     from difftest.reporting.report import Report, case_records, unavailable_asked, write_report
     from difftest.run.jobs import job_environments, run_jobs
@@ -483,6 +484,8 @@ def _run_jobs(args: argparse.Namespace) -> int:
     for k, env in enumerate(gpu_envs, 1):
         if env:
             print(f"job {k}/{args.jobs}: {pinning.describe(env)}", file=sys.stderr)
+    if note := uncompiled_note(args.jobs):
+        print(note, file=sys.stderr)
     outcome = run_jobs(options, args.jobs, args.artifacts, gpu_envs)
     problems, crashes = outcome.problems, outcome.crashes
     for problem in problems:
