@@ -221,9 +221,10 @@ class TritonUnifiedAttention(VllmAdapter):
         return triton_precision(case, device)
 
     def empty_row_output(self, case: Case) -> EmptyRowOutput:
-        """The 2-D kernel writes 0 on rows with no context; the 3-D kernel writes no segment
-        for them, and the reduction then reads scratch nothing wrote (garbage in vLLM's
-        ``torch.empty`` scratch, NaN here): undefined."""
+        """The 2-D kernel writes 0 on rows with no context (no tile, ``acc / L`` is 0 / 1);
+        the 3-D kernel writes no segment for them and its reduction returns before it
+        reads or stores one (``seq_len <= 0``), so the row keeps what the output held:
+        undefined (NaN in the buffer each run fills, checked natively on an H100)."""
         old_rule = "MAX_3D_QUERY_LEN" not in self._source()
         if kernel_path(case, old_rule=old_rule) == "3D":
             return EmptyRowOutput.UNDEFINED
