@@ -29,6 +29,8 @@
 #   speed-job:    the README main job (`difftest run --examples 40 --jobs auto`, every backend)
 #                 with an empty kernel cache, then warm: wall, cases/s, compiles per stage;
 #                 then device-busy per stage over 40 of its cases (benchmarks/real_job.py);
+#                 where PYTHONDONTWRITEBYTECODE is set, cold and warm again with the Python
+#                 bytecode kept (OUTDIR/speed-bytecode.json);
 #   speed-shape:  the production shape's cases/s pipelined and device-busy per stage
 #                 (benchmarks/throughput.py);
 #   speed-pytest: `pytest -n 1` and `pytest -n 4` of tests/test_differential.py on one GPU,
@@ -112,6 +114,15 @@ if wants speed-job; then
   step speed-job timeout "$speed_timeout" "$py" -m benchmarks.real_job --device cuda \
     --passes cold,warm --device-busy 40 --work "$out/real-job" --json "$out/speed.json"
 fi
+if wants speed-job && [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  # an image that writes no bytecode has every job compile its sources (docs/performance.md):
+  # the job again with the bytecode kept, after one small run that writes it
+  step speed-job-bytecode env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX="$out/pycache" \
+    bash -c "'$py' -m difftest.cli run --device cuda --examples 2 --no-corpus \
+      --artifacts '$out/pycache-run' >/dev/null 2>&1; timeout '$speed_timeout' '$py' \
+      -m benchmarks.real_job --device cuda --passes cold,warm --work '$out/real-job-bytecode' \
+      --json '$out/speed-bytecode.json'"
+fi
 if wants speed-shape; then
   step speed-shape timeout "$speed_timeout" "$py" -m benchmarks.throughput --shape production \
     --device cuda --cases 20 --repeats 2 --device-busy 10 --json "$out/speed.json"
@@ -121,10 +132,12 @@ if wants speed-pytest; then
     --passes none --pytest 1,4 --work "$out/real-job" --json "$out/speed.json"
 fi
 case "$part" in speed | speed-* | all)
-  for name in speed-job speed-shape speed-pytest; do
+  for name in speed-job speed-job-bytecode speed-shape speed-pytest; do
     [ -f "$out/$name.txt" ] && { echo "== $name"; grep -v '^\s*$' "$out/$name.txt" | tail -n 40; }
   done
-  [ -f "$out/speed.json" ] && { echo "== $out/speed.json"; cat "$out/speed.json"; } ;;
+  for numbers in speed.json speed-bytecode.json; do
+    [ -f "$out/$numbers" ] && { echo "== $out/$numbers"; cat "$out/$numbers"; }
+  done ;;
 esac
 if [ "$part" = huge ] || [ "$part" = all ]; then
   step huge env HYPOTHESIS_PROFILE=nightly "$py" -m pytest -q -rs -p no:cacheprovider \

@@ -30,14 +30,15 @@ def test_gpu_check_parses() -> None:
 def test_the_speed_part_runs_every_gpu_measurement(tmp_path: Path) -> None:
     """``gpu_check.sh OUT speed`` runs the main job cold and warm with device-busy, the
     production shape and pytest's worker counts, each writing speed.json, with options the
-    benchmarks accept."""
+    benchmarks accept (on an image that writes bytecode)."""
     stand_in = tmp_path / "python"
     log = tmp_path / "commands"
     stand_in.write_text(f'#!/usr/bin/env bash\necho "$*" >> {shlex.quote(str(log))}\n')
     stand_in.chmod(0o755)
     out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     done = subprocess.run(["bash", str(SCRIPT), str(out), "speed"], capture_output=True,
-                          text=True, env=dict(os.environ, PYTHON=str(stand_in)), timeout=60)
+                          text=True, env=dict(env, PYTHON=str(stand_in)), timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line) for line in log.read_text().splitlines()]
     assert [c[:2] for c in commands] == [["-m", "benchmarks.real_job"],
@@ -56,6 +57,30 @@ def test_the_speed_part_runs_every_gpu_measurement(tmp_path: Path) -> None:
     summary = (out / "summary.txt").read_text()
     assert [line.split(":")[0] for line in summary.splitlines()] == [
         "speed-job", "speed-shape", "speed-pytest"]
+
+
+def test_an_image_that_writes_no_bytecode_is_measured_with_it_kept_too(tmp_path: Path) -> None:
+    """Where ``PYTHONDONTWRITEBYTECODE`` is set, ``speed-job`` runs the main job cold and warm
+    again with the bytecode kept (a small run writes it first) into speed-bytecode.json."""
+    stand_in = tmp_path / "python"
+    log = tmp_path / "commands"
+    stand_in.write_text(f'#!/usr/bin/env bash\necho "${{PYTHONDONTWRITEBYTECODE:-unset}} '
+                        f'${{PYTHONPYCACHEPREFIX:-none}} $*" >> {shlex.quote(str(log))}\n')
+    stand_in.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=str(stand_in), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run(["bash", str(SCRIPT), str(out), "speed-job"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    runs = [shlex.split(line) for line in log.read_text().splitlines()]
+    assert [r[:4] for r in runs] == [["1", "none", "-m", "benchmarks.real_job"],
+                                     ["unset", str(out / "pycache"), "-m", "difftest.cli"],
+                                     ["unset", str(out / "pycache"), "-m", "benchmarks.real_job"]]
+    kept = real_job.arguments(runs[2][4:])
+    assert (kept.passes, kept.json) == (["cold", "warm"], str(out / "speed-bytecode.json"))
+    summary = (out / "summary.txt").read_text()
+    assert [line.split(":")[0] for line in summary.splitlines()] == [
+        "speed-job", "speed-job-bytecode"]
 
 
 def test_bad_options_are_refused() -> None:
