@@ -7,7 +7,8 @@ compiled, so these tests compute the key each launch would have on a GPU and cou
 cases of many shapes (rows, heads, segments per row, attended blocks, cache sizes): the
 reference's two kernels (difftest/backends/_reference_triton.py), the cache builder
 (difftest/inputs/_kv_cache_triton.py) and the counter RNG
-(difftest/primitives/_counter_rng_triton.py) each get one key per dtype and mode set.
+(difftest/primitives/_counter_rng_triton.py) each get one key per dtype and mode set, the
+read-only digest's (difftest/primitives/_word_sums_triton.py) one per width.
 Before sizes were unspecialized run-time arguments and the table pointers (views into one
 packed buffer, at any offset) lost their alignment specialization, 25 generated cases gave
 the reference 14 and 10 keys for 5 and 3 mode sets.
@@ -178,6 +179,21 @@ def test_the_counter_rng_kernel_compiles_once_per_dtype_and_mode() -> None:
             keys["float16", True].add(launched[-1][1])
     assert {mode: len(k) for mode, k in keys.items()} == {("float32", False): 1,
                                                             ("float16", True): 1}
+
+
+@needs_interpreter
+def test_the_digest_kernel_compiles_once_per_width() -> None:
+    """The read-only digest's kernel over grids of any row count, at any offset of a
+    buffer (the caches' and the inputs' words): one key for the digest's width."""
+    from difftest.primitives import _word_sums_triton as kernels
+
+    words = torch.arange(64 * 40 + 3, dtype=torch.int64)
+    grids = [words[:64].view(-1, 16), words[3:3 + 16 * 9].view(-1, 16),
+             words[16:16 * 40].view(-1, 16), words[5:21].view(-1, 16)]
+    with launched_keys() as launched:
+        for grid in grids:
+            kernels.word_sums(grid)
+    assert len({key for _, key in launched}) == 1 and len(launched) == len(grids)
 
 
 @needs_interpreter

@@ -9,10 +9,11 @@ runner rebuilds the inputs, so the backends after it are judged on intact ones.
 
 A digest reads every byte on the tensor's device, with no copy: the sums of the tensor's
 64-bit words by rows and by columns of a ``[-1, 1024]`` view (sums that wrap rather than
-overflow). A write changes a row sum and a column sum unless it changes several words in
-offsetting ways at once, which a stray or erroneous write does not. A copy of each input per
-backend would double the device memory a production case needs and cost more time
-(measured: docs/performance.md, "Read-only inputs").
+overflow; on a GPU both in one read, :mod:`difftest.primitives._word_sums_triton`). A write
+changes a row sum and a column sum unless it changes several words in offsetting ways at
+once, which a stray or erroneous write does not. A copy of each input per backend would
+double the device memory a production case needs and cost more time (measured:
+docs/performance.md, "Read-only inputs").
 """
 
 from __future__ import annotations
@@ -39,7 +40,13 @@ def digest(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = words.numel() // WIDTH * WIDTH
     grid = words[:rows].view(-1, WIDTH)
     tail = torch.cat((words[rows:], raw[whole:].to(torch.int64)))
-    return torch.cat((grid.sum(dim=1), tail.sum().view(1))), grid.sum(dim=0)
+    if grid.is_cuda:  # one read of the buffer, not two (the same sums)
+        from difftest.primitives._word_sums_triton import word_sums
+
+        row_sums, column_sums = word_sums(grid)
+    else:
+        row_sums, column_sums = grid.sum(dim=1), grid.sum(dim=0)
+    return torch.cat((row_sums, tail.sum().view(1))), column_sums
 
 
 def shared_tensors(inputs: RunInputs) -> Iterator[tuple[str, torch.Tensor]]:
