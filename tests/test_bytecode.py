@@ -1,5 +1,5 @@
-"""The note a ``--jobs`` run prints when its processes compile their sources on every start
-(difftest/machine/bytecode.py)."""
+"""The note a ``--jobs`` run and a ``pytest -n`` run print when their processes compile their
+sources on every start (difftest/machine/bytecode.py)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,11 @@ def test_the_prefix_python_reads_is_where_it_looks(tmp_path: Path,
 
 
 def test_the_note_names_the_jobs_and_the_settings(tmp_path: Path) -> None:
-    note = uncompiled_note(8, _module(tmp_path / "a", compiled=False), dont_write=True)
+    note = uncompiled_note(8, module=_module(tmp_path / "a", compiled=False), dont_write=True)
     assert note is not None and "each of the 8 jobs" in note
     assert "PYTHONPYCACHEPREFIX=DIR" in note and "unset PYTHONDONTWRITEBYTECODE" in note
-    assert uncompiled_note(8, _module(tmp_path / "b", compiled=True), dont_write=True) is None
+    assert uncompiled_note(8, module=_module(tmp_path / "b", compiled=True),
+                           dont_write=True) is None
+    workers = uncompiled_note(4, "pytest workers", _module(tmp_path / "c", compiled=False),
+                              dont_write=True)
+    assert workers is not None and "each of the 4 pytest workers compiles" in workers

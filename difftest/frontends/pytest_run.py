@@ -52,6 +52,7 @@ from difftest.judgement.audit import audit_json
 from difftest.judgement.expectations import Expectation, judge
 from difftest.judgement.expectations import load as load_expectations
 from difftest.machine import devices, pinning
+from difftest.machine.bytecode import uncompiled_note
 from difftest.machine.fingerprint import fingerprint
 from difftest.machine.kernel_compiles import describe, kernel_cache_dir
 from difftest.machine.kernel_compiles import merged as merged_compiles
@@ -596,10 +597,13 @@ class DifftestRun:
         if self.report is None:
             return
         terminalreporter.write_sep("=", "difftest")
-        for worker, entry in self.report.get("workers", {}).items():
+        workers = self.report.get("workers", {})
+        for worker, entry in workers.items():
             terminalreporter.write_line(f"worker {worker} (pid {entry['pid']}): "
                                         f"{pinning.describe(entry['gpu_env'])}, "
                                         f"{entry['cases']} cases")
+        if len(workers) > 1 and (note := uncompiled_note(len(workers), "pytest workers")):
+            terminalreporter.write_line(note)
         path = self.config.getoption("--difftest-report")
         for writer, line in self.generation:
             terminalreporter.write_line(f"generation ({writer}): {line}")

@@ -1,10 +1,11 @@
 """Whether the processes a run starts load compiled bytecode or compile their sources.
 
-A ``--jobs`` run starts one process per job (and each job a preparation worker), and each
-imports torch and vLLM: thousands of modules. Where their bytecode is neither shipped nor
-written (``PYTHONDONTWRITEBYTECODE`` on an image without ``.pyc`` files, common in
-containers), every process compiles those sources again: 7.5 s of a job's start on one H100
-machine, most of a warm main job's wall (docs/performance.md, "Jobs on a GPU").
+A ``--jobs`` run starts one process per job (and each job a preparation worker), ``pytest
+-n`` one per worker, and each imports torch and vLLM: thousands of modules. Where their
+bytecode is neither shipped nor written (``PYTHONDONTWRITEBYTECODE`` on an image without
+``.pyc`` files, common in containers), every process compiles those sources again: on one
+H100 machine 7.5 s of a job's start, and a warm main job took 23-25 s against 13-14 s with
+the bytecode kept (docs/performance.md, "Goals and GPU numbers").
 """
 
 from __future__ import annotations
@@ -28,15 +29,16 @@ def uncompiled(module: ModuleType, dont_write: bool | None = None) -> bool:
     return not Path(importlib.util.cache_from_source(source)).is_file()
 
 
-def uncompiled_note(jobs: int, module: ModuleType | None = None,
+def uncompiled_note(processes: int, what: str = "jobs", module: ModuleType | None = None,
                     dont_write: bool | None = None) -> str | None:
-    """A line for a run of ``jobs`` processes whose imports compile torch's sources each
-    time (:func:`uncompiled`), with the settings that compile them once; else ``None``."""
+    """A line for a run of ``processes`` (``what``: jobs, pytest workers) whose imports
+    compile torch's sources each time (:func:`uncompiled`), with the settings that compile
+    them once; else ``None``."""
     if module is None:
         import torch as module
     if not uncompiled(module, dont_write):
         return None
     return (f"python bytecode: not shipped and not written (PYTHONDONTWRITEBYTECODE): each of "
-            f"the {jobs} jobs compiles the torch and vLLM sources it imports, seconds of its "
-            f"start; unset PYTHONDONTWRITEBYTECODE and set {PREFIX_ENV}=DIR (a directory CI "
-            "keeps, as it keeps DIFFTEST_KERNEL_CACHE) to compile them once")
+            f"the {processes} {what} compiles the torch and vLLM sources it imports, seconds "
+            f"of its start; unset PYTHONDONTWRITEBYTECODE and set {PREFIX_ENV}=DIR (a "
+            "directory CI keeps, as it keeps DIFFTEST_KERNEL_CACHE) to compile them once")
