@@ -160,16 +160,18 @@ def test_shuffled_views_agree_on_a_tree_that_has_them(tag: str, name: str) -> No
     assert result.results[0].status is Status.AGREE, (tree.version, result.results[0].detail)
 
 
-def direct_kernel(source: Any, page: int) -> tuple[DeviceAnswers, Any, tuple[torch.Tensor, ...]]:
+def direct_kernel(source: Any, page: int, pages: int = 1, head_dim: int = 64
+                  ) -> tuple[DeviceAnswers, Any, tuple[torch.Tensor, ...]]:
     """AITER's ``unified_attention`` of ``source`` loaded as for gfx950, and seeded fp16
-    inputs for it: one query of one head of 64, K and V of one ``page``-token page."""
+    inputs for it: one query of one head of ``head_dim``, K and V of ``pages`` pages of
+    ``page`` tokens."""
     answers = DeviceAnswers.for_arch("gfx950")
     path = source.find("ops/triton/attention/unified_attention.py",
                        "ops/triton/unified_attention.py")
     generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, 64, generator=generator).half()
-    k = torch.randn(1, page, 1, 64, generator=generator).half()
-    v = torch.randn(1, page, 1, 64, generator=generator).half()
+    q = torch.randn(1, 1, head_dim, generator=generator).half()
+    k = torch.randn(pages, page, 1, head_dim, generator=generator).half()
+    v = torch.randn(pages, page, 1, head_dim, generator=generator).half()
     return answers, source.load(path, answers).unified_attention, (q, k, v)
 
 
@@ -237,13 +239,7 @@ def direct_3d_call(source: Any, head_dim: int = 64) -> tuple[torch.Tensor, torch
     """AITER's ``unified_attention`` on fp16 K/V with ``max_seqlen_k`` 640 (> 512: the 3-D
     kernel), one query row over 40 pages, called directly: the output row and float64
     attention of the same inputs."""
-    answers = DeviceAnswers.for_arch("gfx950")
-    path = source.find("ops/triton/attention/unified_attention.py")
-    unified_attention = source.load(path, answers).unified_attention
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, head_dim, generator=generator).half()
-    k = torch.randn(40, 16, 1, head_dim, generator=generator).half()
-    v = torch.randn(40, 16, 1, head_dim, generator=generator).half()
+    answers, unified_attention, (q, k, v) = direct_kernel(source, 16, 40, head_dim)
     out = torch.zeros(1, 1, head_dim, dtype=torch.float16)
     with answering(answers):
         unified_attention(
@@ -392,13 +388,7 @@ def direct_shuffled(source: Any, head_dim: int, nan_after: bool) -> tuple[torch.
     """AITER's ``unified_attention`` called directly on pre-shuffled views: one fp16 decode row
     over page 0 of two 16-token pages of one head (page 1 NaN with ``nan_after``); its output
     row and float64 attention over page 0."""
-    answers = DeviceAnswers.for_arch("gfx950")
-    path = source.find("ops/triton/attention/unified_attention.py")
-    unified_attention = source.load(path, answers).unified_attention
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, head_dim, generator=generator).half()
-    k = torch.randn(2, 16, 1, head_dim, generator=generator).half()
-    v = torch.randn(2, 16, 1, head_dim, generator=generator).half()
+    answers, unified_attention, (q, k, v) = direct_kernel(source, 16, 2, head_dim)
     if nan_after:
         k[1], v[1] = float("nan"), float("nan")
     x = 8  # fp16 values per 16 bytes: K [n, h, D/x, P, x], V [n, h, P/x, D, x]
